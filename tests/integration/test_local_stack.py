@@ -1,0 +1,187 @@
+"""The embedded default end to end: inventory/local comes up from scratch on real test hosts.
+
+Runs in order (pytest -x): bring-up + verify report, Prometheus targets, a second site.yml run with
+changed=0, and a kill -9 of the decode engine that systemd must recover from. Every address, port and
+instance name comes from the inventory (ansible-inventory), none is written here.
+
+Figures are printed as one JSON line per test and written to reports/ci/<test>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = ROOT / ".venv" / "bin"
+INVENTORY = "inventory/local"
+REPORTS = ROOT / "reports" / "ci"
+ENV = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), PATH=f"{VENV_BIN}:{os.environ['PATH']}")
+
+
+def record(name: str, figures: dict) -> None:
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    (REPORTS / f"{name}.json").write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"\n[{name}] {json.dumps(figures)}", flush=True)
+
+
+def run(cmd: list[str], timeout: int, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+    return proc
+
+
+def playbook(*args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
+    return run([str(VENV_BIN / "ansible-playbook"), "-i", INVENTORY, *args], timeout=timeout)
+
+
+def recap(output: str) -> dict[str, dict[str, int]]:
+    """PLAY RECAP lines -> {host: {ok: n, changed: n, failed: n, ...}}."""
+    hosts: dict[str, dict[str, int]] = {}
+    for line in output.rsplit("PLAY RECAP", maxsplit=1)[-1].splitlines():
+        m = re.match(r"^(\S+)\s+:\s+(.*)$", line.strip())
+        if m:
+            hosts[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return hosts
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 120) -> dict:
+    data = json.dumps(payload).encode() if payload is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.load(resp)
+
+
+@pytest.fixture(scope="session")
+def inventory() -> dict:
+    out = run([str(VENV_BIN / "ansible-inventory"), "-i", INVENTORY, "--list"], timeout=120).stdout
+    data = json.loads(out)
+    hostvars = data["_meta"]["hostvars"]
+
+    def members(group: str) -> list[str]:
+        return sorted(data.get(group, {}).get("hosts", []))
+
+    instances = []
+    for host in members("vllm_hosts"):
+        for inst in hostvars[host]["pd_instances"]:
+            instances.append({**inst, "host": host, "address": hostvars[host]["ansible_host"]})
+    router = members("router_hosts")[0]
+    monitor = members("monitoring_hosts")[0]
+    return {
+        "hostvars": hostvars,
+        "instances": instances,
+        "router_host": router,
+        "router_url": f"http://{hostvars[router]['ansible_host']}:{hostvars[router]['pd_router_port']}",
+        "prometheus_url": f"http://{hostvars[monitor]['ansible_host']}:9090",
+        "model": hostvars[router]["pd_served_model_name"],
+    }
+
+
+def testhosts(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return run([str(ROOT / "scripts" / "testhosts"), *args], timeout=timeout)
+
+
+def host_cmd(host: str, command: str, timeout: int = 120, check: bool = True) -> str:
+    return run([str(ROOT / "scripts" / "testhosts"), "ssh", "--env", "local", host, "--", "sh", "-c", command],
+               timeout=timeout, check=check).stdout
+
+
+def complete_through_router(inventory: dict, prompt: str = "Q: 3+4= A:", max_tokens: int = 4) -> dict:
+    return http_json(f"{inventory['router_url']}/v1/completions",
+                     {"model": inventory["model"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                     timeout=180)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stack(inventory):
+    """Test hosts for the whole session; torn down at the end unless PD_KEEP_STACK=1."""
+    t0 = time.monotonic()
+    testhosts("up", "--env", "local")
+    yield {"hosts_up_s": round(time.monotonic() - t0, 1)}
+    if os.environ.get("PD_KEEP_STACK") != "1":
+        testhosts("down", "--env", "local", timeout=300)
+
+
+def test_site_brings_the_stack_up_and_verify_passes(stack, inventory):
+    t0 = time.monotonic()
+    proc = playbook("site.yml", timeout=2700)
+    elapsed = round(time.monotonic() - t0, 1)
+    failed = {h: r for h, r in recap(proc.stdout).items() if r.get("failed") or r.get("unreachable")}
+    assert not failed, failed
+    report_path = ROOT / "reports" / "local" / "verify-latest.json"
+    assert report_path.exists(), "verify wrote no report"
+    report = json.loads(report_path.read_text())
+    record("site", {"testhosts_up_s": stack["hosts_up_s"], "site_s": elapsed,
+                    "verify": {k: v.get("summary", v) if isinstance(v, dict) else v for k, v in report.items()}})
+    for step in ("readiness", "kv_transfer", "accuracy"):
+        assert report[step]["passed"], (step, report[step])
+
+
+def test_prometheus_scrapes_every_target_and_has_per_pool_ttft(inventory):
+    targets = http_json(f"{inventory['prometheus_url']}/api/v1/targets")["data"]["activeTargets"]
+    down = [(t["labels"].get("job"), t["scrapeUrl"], t.get("lastError")) for t in targets if t["health"] != "up"]
+    deadline = time.monotonic() + 90
+    while down and time.monotonic() < deadline:  # a target scraped before its first interval reads "unknown"
+        time.sleep(10)
+        targets = http_json(f"{inventory['prometheus_url']}/api/v1/targets")["data"]["activeTargets"]
+        down = [(t["labels"].get("job"), t["scrapeUrl"], t.get("lastError")) for t in targets if t["health"] != "up"]
+    assert not down, down
+    vllm_targets = {t["labels"].get("instance_name") for t in targets if t["labels"].get("job") == "vllm"}
+    assert vllm_targets == {i["name"] for i in inventory["instances"]}
+    query = "sum by (pool) (vllm:time_to_first_token_seconds_count)"
+    url = f"{inventory['prometheus_url']}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    result = http_json(url)["data"]["result"]
+    pools = sorted(r["metric"].get("pool") for r in result)
+    record("prometheus", {"targets_up": len(targets), "jobs": sorted({t["labels"]["job"] for t in targets}),
+                          "ttft_pools": pools})
+    assert "prefill" in pools and "decode" in pools
+
+
+def test_second_site_run_changes_nothing():
+    t0 = time.monotonic()
+    proc = playbook("site.yml", timeout=2400)
+    changed = {h: r["changed"] for h, r in recap(proc.stdout).items() if r.get("changed")}
+    record("idempotence", {"site_second_run_s": round(time.monotonic() - t0, 1), "changed": changed})
+    assert not changed, f"second run changed something: {changed}"
+
+
+def test_killed_decode_engine_is_restarted_and_routing_resumes(inventory):
+    decode = next(i for i in inventory["instances"] if i["pool"] == "decode")
+    unit = f"vllm-{decode['name']}.service"
+
+    def nrestarts() -> int:
+        return int(host_cmd(decode["host"], f"systemctl show -p NRestarts --value {unit}").strip())
+
+    before = nrestarts()
+    pid = host_cmd(decode["host"], f"systemctl show -p MainPID --value {unit}").strip()
+    assert pid not in ("", "0"), f"{unit} has no main process"
+    host_cmd(decode["host"], f"kill -9 {pid}")
+    t0 = time.monotonic()
+    failed_probes = 0
+    restarted = False
+    while True:
+        assert time.monotonic() - t0 < 600, f"routing did not resume within 600 s of killing {unit}"
+        restarted = restarted or nrestarts() > before
+        try:
+            ok = bool(complete_through_router(inventory).get("choices"))
+        except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError):
+            ok = False
+        failed_probes += not ok
+        if ok and restarted:
+            break
+        time.sleep(2)
+    after = nrestarts()
+    record("kill-decode", {"recovered_s": round(time.monotonic() - t0, 1), "failed_probes": failed_probes,
+                           "nrestarts_before": before, "nrestarts_after": after})
+    assert after == before + 1
