@@ -1,0 +1,515 @@
+# Shared logic of the model_weights module, scripts/model-manifest and bench/verify_throughput.py.
+#
+# Manifest (JSON):  {"revision": "<id>", "files": [{"path": "...", "size": N, "sha256": "..."}]}
+# A locally generated model's revision is content_revision(files): the sha256 of the canonical file list,
+# one line per file sorted by path, "<path>\t<size>\t<sha256>\n" (UTF-8). A 64-hex revision is therefore
+# checkable against the file list; a 40-hex revision is a Hugging Face commit id and is checked against the hub.
+#
+# Stdlib only: runs on the managed hosts (as ansible.module_utils.model_manifest) and on the control node.
+
+import hashlib
+import json
+import os
+import re
+import stat
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+MANIFEST_NAME = "manifest.json"
+PART_SUFFIX = ".part"
+DEFAULT_BUFSIZE = 16 * 1024 * 1024
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA1_RE = re.compile(r"^[0-9a-f]{40}$")
+
+# Per-file states reported by verification and by the module.
+OK = "ok"
+MISSING = "missing"
+SIZE_MISMATCH = "size_mismatch"
+CHECKSUM_MISMATCH = "checksum_mismatch"
+REPAIRED = "repaired"
+FETCHED = "fetched"
+
+
+class ManifestError(Exception):
+    """Bad manifest, revision mismatch or a source that cannot deliver a file."""
+
+
+def default_workers():
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------- hashing
+
+
+def hash_file(path, bufsize=DEFAULT_BUFSIZE, algo="sha256"):
+    """Return (size, hexdigest) of a file, read in large buffers (hashlib releases the GIL on big updates)."""
+    h = hashlib.new(algo)
+    size = 0
+    buf = bytearray(bufsize)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def git_blob_sha1(path, bufsize=DEFAULT_BUFSIZE):
+    """The git blob id of a file (what the hub reports for files not stored in LFS)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(bufsize), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- manifests
+
+
+def canonical_listing(files):
+    rows = sorted(files, key=lambda x: x["path"])
+    return "".join(f"{f['path']}\t{f['size']}\t{f['sha256']}\n" for f in rows)
+
+
+def content_revision(files):
+    """sha256 of the canonical file list: the revision id of a locally generated model."""
+    return hashlib.sha256(canonical_listing(files).encode("utf-8")).hexdigest()
+
+
+def _check_relpath(p):
+    if not isinstance(p, str) or not p:
+        raise ManifestError(f"manifest file entry has an empty or non-string path: {p!r}")
+    if p.startswith("/") or "\\" in p or "\0" in p:
+        raise ManifestError(f"manifest path {p!r} must be relative, with '/' separators")
+    parts = p.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ManifestError(f"manifest path {p!r} has an empty, '.' or '..' component")
+    if p == MANIFEST_NAME:
+        raise ManifestError(f"manifest lists itself ({MANIFEST_NAME})")
+    if p.endswith(PART_SUFFIX):
+        raise ManifestError(f"manifest path {p!r} ends in {PART_SUFFIX}, reserved for partial downloads")
+
+
+def validate_manifest(manifest, expected_revision=None, origin="manifest"):
+    """Check structure, paths and (for 64-hex revisions) that the revision matches the file list.
+
+    Entries may carry "git_sha1" instead of "sha256" only in manifests built from the hub (non-LFS files);
+    those are turned into sha256 entries once the file is fetched and checked.
+    """
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{origin}: not a JSON object")
+    rev = manifest.get("revision")
+    files = manifest.get("files")
+    if not isinstance(rev, str) or not rev:
+        raise ManifestError(f"{origin}: missing 'revision'")
+    if not isinstance(files, list) or not files:
+        raise ManifestError(f"{origin}: 'files' must be a non-empty list")
+    seen = set()
+    for f in files:
+        if not isinstance(f, dict):
+            raise ManifestError(f"{origin}: file entry {f!r} is not an object")
+        _check_relpath(f.get("path"))
+        if f["path"] in seen:
+            raise ManifestError("{}: duplicate path {}".format(origin, f["path"]))
+        seen.add(f["path"])
+        size = f.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ManifestError("{}: {} has an invalid size {!r}".format(origin, f["path"], size))
+        sha = f.get("sha256")
+        if sha is None and SHA1_RE.match(str(f.get("git_sha1", ""))):
+            continue
+        if not isinstance(sha, str) or not SHA256_RE.match(sha):
+            raise ManifestError("{}: {} has an invalid sha256 {!r}".format(origin, f["path"], sha))
+    # A directory and a file of the same name cannot both exist.
+    for p in seen:
+        parts = p.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in seen:
+                raise ManifestError("{}: {} is both a file and a directory".format(origin, "/".join(parts[:i])))
+    if expected_revision is not None and rev != expected_revision:
+        raise ManifestError(
+            f"revision mismatch: {origin} has revision {rev} but {expected_revision} was requested; "
+            "pin the revision the source really holds (pd_model_source.revision) or fix the source"
+        )
+    if SHA256_RE.match(rev) and all("sha256" in f for f in files):
+        actual = content_revision(files)
+        if actual != rev:
+            raise ManifestError(
+                f"revision mismatch: {origin} claims revision {rev} but its file list hashes to {actual} "
+                "(manifest edited or files changed after it was written; regenerate it with scripts/model-manifest)"
+            )
+    return manifest
+
+
+def list_files(directory):
+    """Relative paths of the regular files under directory (symlinks to files followed), manifest excluded."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".staging"))
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, directory).replace(os.sep, "/")
+            if rel == MANIFEST_NAME or rel.endswith(PART_SUFFIX):
+                continue
+            if not stat.S_ISREG(os.stat(full).st_mode):
+                continue
+            out.append(rel)
+    return sorted(out)
+
+
+def build_manifest(directory, revision=None, workers=None, bufsize=DEFAULT_BUFSIZE):
+    paths = list_files(directory)
+    if not paths:
+        raise ManifestError(f"{directory} holds no files")
+    with ThreadPoolExecutor(max_workers=workers or default_workers()) as ex:
+        results = list(ex.map(lambda p: hash_file(os.path.join(directory, p), bufsize), paths))
+    files = [{"path": p, "size": s, "sha256": h} for p, (s, h) in zip(paths, results, strict=True)]
+    return {"revision": revision or content_revision(files), "files": files}
+
+
+def dumps_manifest(manifest):
+    return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
+def write_atomic(path, data, mode=0o644):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def read_manifest_file(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ManifestError(f"{path} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path} is not readable JSON: {e}") from None
+
+
+# ---------------------------------------------------------------- verification
+
+
+def verify_files(directory, files, workers=None, bufsize=DEFAULT_BUFSIZE, deep=True):
+    """State of each manifest entry in directory: sizes first (cheap), then sha256 of the survivors in parallel.
+
+    Returns {path: state}. With deep=False only sizes are checked (ok means "right size").
+    """
+    states = {}
+    to_hash = []
+    for f in files:
+        full = os.path.join(directory, f["path"])
+        try:
+            st = os.stat(full)
+        except FileNotFoundError:
+            states[f["path"]] = MISSING
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            states[f["path"]] = MISSING
+        elif st.st_size != f["size"]:
+            states[f["path"]] = SIZE_MISMATCH
+        else:
+            states[f["path"]] = OK
+            to_hash.append(f)
+    if deep and to_hash:
+        # Biggest first so one large shard does not end up alone at the tail.
+        to_hash.sort(key=lambda f: -f["size"])
+        with ThreadPoolExecutor(max_workers=workers or default_workers()) as ex:
+            digests = list(ex.map(lambda f: _digest_for(os.path.join(directory, f["path"]), f, bufsize), to_hash))
+        for f, good in zip(to_hash, digests, strict=True):
+            if not good:
+                states[f["path"]] = CHECKSUM_MISMATCH
+    return states
+
+
+def _digest_for(full, entry, bufsize):
+    if "sha256" in entry:
+        return hash_file(full, bufsize)[1] == entry["sha256"]
+    return git_blob_sha1(full, bufsize) == entry["git_sha1"]
+
+
+def free_bytes(path):
+    """Free bytes for an unprivileged writer on the filesystem holding path (or its nearest existing parent)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    st = os.statvfs(p)
+    return p, st.f_bavail * st.f_frsize
+
+
+# ---------------------------------------------------------------- fetchers
+#
+# Every fetcher appends to an existing <dest>.part from its current length (resume by byte offset) and
+# returns the number of bytes it transferred. The caller verifies the .part before moving it into place.
+
+
+def _part_offset(part, size):
+    try:
+        have = os.path.getsize(part)
+    except FileNotFoundError:
+        return 0
+    if have > size:
+        os.unlink(part)
+        return 0
+    return have
+
+
+class PathFetcher:
+    """A directory (shared storage, bind mount) that holds the files and manifest.json."""
+
+    kind = "path"
+
+    def __init__(self, path, bufsize=DEFAULT_BUFSIZE):
+        self.path = path
+        self.bufsize = bufsize
+
+    def describe(self):
+        return self.path
+
+    def manifest(self):
+        return read_manifest_file(os.path.join(self.path, MANIFEST_NAME))
+
+    def fetch(self, entry, part):
+        src = os.path.join(self.path, entry["path"])
+        offset = _part_offset(part, entry["size"])
+        copied = 0
+        try:
+            fin = open(src, "rb")
+        except OSError as e:
+            raise ManifestError("cannot read {} from source {}: {}".format(entry["path"], self.path, e)) from None
+        with fin, open(part, "ab") as fout:
+            fin.seek(offset)
+            while offset + copied < entry["size"]:
+                chunk = fin.read(min(self.bufsize, entry["size"] - offset - copied))
+                if not chunk:
+                    break
+                fout.write(chunk)
+                copied += len(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
+        return copied
+
+
+class _DropAuthOnRedirect(urllib.request.HTTPRedirectHandler):
+    """Keep Range on redirects; drop Authorization when the redirect leaves the original host (hub -> CDN)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: PLR0917 (stdlib signature)
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            if urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+                new.remove_header("Authorization")
+            rng = req.get_header("Range")
+            if rng and not new.has_header("Range"):
+                new.add_header("Range", rng)
+        return new
+
+
+class HttpFetcher:
+    """A mirror base URL serving <base>/<path> for each file and <base>/manifest.json."""
+
+    kind = "http"
+
+    def __init__(self, base_url, token=None, timeout=60, bufsize=DEFAULT_BUFSIZE, retries=3):
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.bufsize = bufsize
+        self.retries = retries
+        self.opener = urllib.request.build_opener(_DropAuthOnRedirect())
+
+    def describe(self):
+        return self.base_url
+
+    def _request(self, url, headers=None):
+        req = urllib.request.Request(url, headers=dict(headers or {}))
+        req.add_header("User-Agent", "b300-pd-model-weights/1")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        return self.opener.open(req, timeout=self.timeout)
+
+    def _get_json(self, url):
+        try:
+            with self._request(url) as r:
+                return json.loads(r.read().decode("utf-8"))
+        except urllib.error.HTTPError as e:
+            raise ManifestError(f"GET {url}: HTTP {e.code} {e.reason}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise ManifestError(f"GET {url}: {e}") from None
+
+    def manifest(self):
+        return self._get_json(f"{self.base_url}/{MANIFEST_NAME}")
+
+    def file_url(self, path):
+        return f"{self.base_url}/{urllib.parse.quote(path)}"
+
+    def fetch(self, entry, part):
+        total = 0
+        last = None
+        for attempt in range(self.retries + 1):
+            try:
+                total += self._fetch_once(entry, part)
+                return total
+            except (urllib.error.URLError, OSError, ConnectionError) as e:
+                # Connection dropped mid-body: what arrived is on disk; the next attempt resumes from there.
+                last = e
+                if isinstance(e, urllib.error.HTTPError) and e.code < 500 and e.code != 429:
+                    break
+                time.sleep(min(2**attempt, 10) if attempt < self.retries else 0)
+        raise ManifestError("downloading {} from {} failed: {}".format(entry["path"], self.describe(), last))
+
+    def _fetch_once(self, entry, part):
+        size = entry["size"]
+        offset = _part_offset(part, size)
+        if offset == size:
+            return 0
+        url = self.file_url(entry["path"])
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        copied = 0
+        with self._request(url, headers) as r:
+            status = getattr(r, "status", 200)
+            if offset and status == 206:
+                crange = r.headers.get("Content-Range", "")
+                if not crange.startswith(f"bytes {offset}-"):
+                    raise ManifestError(f"{url}: asked for bytes {offset}-, server sent Content-Range {crange!r}")
+                mode = "ab"
+            elif status == 200:
+                mode = "wb"  # server ignored Range: start over
+                offset = 0
+            else:
+                raise ManifestError(f"{url}: unexpected HTTP status {status}")
+            with open(part, mode) as fout:
+                while offset + copied < size:
+                    chunk = r.read(min(self.bufsize, size - offset - copied))
+                    if not chunk:
+                        break
+                    fout.write(chunk)
+                    copied += len(chunk)
+                fout.flush()
+                os.fsync(fout.fileno())
+        if offset + copied < size:
+            raise ConnectionError(f"{url}: connection closed after {offset + copied} of {size} bytes")
+        return copied
+
+
+class HfFetcher(HttpFetcher):
+    """The Hugging Face hub at a pinned commit: file list with LFS sha256 + sizes from the same REST endpoint
+    huggingface_hub's HfApi.model_info(files_metadata=True) uses, downloads via /<repo>/resolve/<rev>/<file>."""
+
+    kind = "hf"
+
+    def __init__(self, repo_id, revision, endpoint="https://huggingface.co", **kw):
+        super().__init__(endpoint, **kw)
+        self.repo_id = repo_id
+        self.revision = revision
+
+    def describe(self):
+        return f"{self.base_url}/{self.repo_id}@{self.revision}"
+
+    def manifest(self):
+        url = "{}/api/models/{}/revision/{}?blobs=true".format(
+            self.base_url,
+            self.repo_id,
+            urllib.parse.quote(self.revision, safe=""),
+        )
+        info = self._get_json(url)
+        sha = info.get("sha")
+        if sha != self.revision:
+            raise ManifestError(
+                f"revision mismatch: the hub resolves {self.repo_id}@{self.revision} to commit {sha}; "
+                "pin the full 40-hex commit id"
+            )
+        files = []
+        for s in info.get("siblings") or []:
+            name = s.get("rfilename")
+            if name in (None, ".gitattributes", MANIFEST_NAME):
+                continue
+            lfs = s.get("lfs") or None
+            if lfs:
+                files.append({"path": name, "size": int(lfs["size"]), "sha256": lfs["sha256"]})
+            elif s.get("blobId") and s.get("size") is not None:
+                files.append({"path": name, "size": int(s["size"]), "git_sha1": s["blobId"]})
+            else:
+                raise ManifestError(f"hub file {name} has no size/blob id (files_metadata missing?)")
+        return {"revision": sha, "files": files}
+
+    def file_url(self, path):
+        return f"{self.base_url}/{self.repo_id}/resolve/{self.revision}/{urllib.parse.quote(path)}"
+
+
+class RsyncFetcher:
+    """Another cluster host (or a local dir in tests) that already holds the revision directory.
+
+    run_command(argv) -> (rc, stdout, stderr): the module passes module.run_command.
+    """
+
+    kind = "peer"
+
+    def __init__(self, run_command, path, *, host=None, user=None, port=None, ssh_key=None, ssh_args=None):
+        self.run_command = run_command
+        self.path = path.rstrip("/")
+        self.host = host or None
+        self.user = user
+        self.port = port
+        self.ssh_key = ssh_key
+        self.ssh_args = ssh_args or []
+
+    def describe(self):
+        return (f"{self._remote_host()}:{self.path}") if self.host else self.path
+
+    def _remote_host(self):
+        return f"{self.user}@{self.host}" if self.user else self.host
+
+    def _src(self, rel):
+        p = f"{self.path}/{rel}"
+        return f"{self._remote_host()}:{p}" if self.host else p
+
+    def _argv(self, extra):
+        argv = ["rsync", "--stats", "--no-motd"]
+        if self.host:
+            ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
+            if self.port:
+                ssh += ["-p", str(self.port)]
+            if self.ssh_key:
+                ssh += ["-i", self.ssh_key]
+            ssh += list(self.ssh_args)
+            argv += ["-e", " ".join(ssh)]
+        return argv + extra
+
+    def _run(self, argv, what):
+        rc, out, err = self.run_command(argv)
+        if rc != 0:
+            raise ManifestError(f"rsync of {what} from {self.describe()} failed (rc={rc}): {(err or out).strip()}")
+        return out
+
+    def manifest(self, tmpdir):
+        dest = os.path.join(tmpdir, ".peer-" + MANIFEST_NAME)
+        self._run(self._argv(["--", self._src(MANIFEST_NAME), dest]), MANIFEST_NAME)
+        try:
+            return read_manifest_file(dest)
+        finally:
+            os.unlink(dest)
+
+    def fetch(self, entry, part):
+        offset = _part_offset(part, entry["size"])
+        # --append: continue the .part from its current length (rsync's resume by byte offset); the caller checks
+        # the sha256 afterwards and restarts from zero if the prefix was bad.
+        out = self._run(self._argv(["--append", "--", self._src(entry["path"]), part]), entry["path"])
+        m = re.search(r"Literal data:\s*([\d,]+)", out)
+        if m:
+            return int(m.group(1).replace(",", ""))
+        return max(0, os.path.getsize(part) - offset)
