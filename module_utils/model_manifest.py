@@ -8,6 +8,7 @@
 # Stdlib only: runs on the managed hosts (as ansible.module_utils.model_manifest) and on the control node.
 
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -358,13 +359,13 @@ class HttpFetcher:
         return f"{self.base_url}/{urllib.parse.quote(path)}"
 
     def fetch(self, entry, part):
-        total = 0
+        moved = [0]  # bytes written to the .part by every attempt, including ones cut off midway
         last = None
         for attempt in range(self.retries + 1):
             try:
-                total += self._fetch_once(entry, part)
-                return total
-            except (urllib.error.URLError, OSError, ConnectionError) as e:
+                self._fetch_once(entry, part, moved)
+                return moved[0]
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 # Connection dropped mid-body: what arrived is on disk; the next attempt resumes from there.
                 last = e
                 if isinstance(e, urllib.error.HTTPError) and e.code < 500 and e.code != 429:
@@ -372,11 +373,11 @@ class HttpFetcher:
                 time.sleep(min(2**attempt, 10) if attempt < self.retries else 0)
         raise ManifestError("downloading {} from {} failed: {}".format(entry["path"], self.describe(), last))
 
-    def _fetch_once(self, entry, part):
+    def _fetch_once(self, entry, part, moved):
         size = entry["size"]
         offset = _part_offset(part, size)
         if offset == size:
-            return 0
+            return
         url = self.file_url(entry["path"])
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         copied = 0
@@ -399,11 +400,11 @@ class HttpFetcher:
                         break
                     fout.write(chunk)
                     copied += len(chunk)
+                    moved[0] += len(chunk)
                 fout.flush()
                 os.fsync(fout.fileno())
         if offset + copied < size:
             raise ConnectionError(f"{url}: connection closed after {offset + copied} of {size} bytes")
-        return copied
 
 
 class HfFetcher(HttpFetcher):
@@ -497,6 +498,7 @@ class RsyncFetcher:
         return out
 
     def manifest(self, tmpdir):
+        """Copy the peer's manifest.json into tmpdir (outside the model root: check mode may call this)."""
         dest = os.path.join(tmpdir, ".peer-" + MANIFEST_NAME)
         self._run(self._argv(["--", self._src(MANIFEST_NAME), dest]), MANIFEST_NAME)
         try:

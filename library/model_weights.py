@@ -1,0 +1,689 @@
+#!/usr/bin/python
+# Copyright: b300-pd contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+import grp
+import json
+import os
+import pwd
+import re
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.model_manifest import (
+    FETCHED,
+    MANIFEST_NAME,
+    MISSING,
+    OK,
+    PART_SUFFIX,
+    REPAIRED,
+    SHA1_RE,
+    HfFetcher,
+    HttpFetcher,
+    ManifestError,
+    PathFetcher,
+    RsyncFetcher,
+    default_workers,
+    dumps_manifest,
+    free_bytes,
+    git_blob_sha1,
+    hash_file,
+    list_files,
+    read_manifest_file,
+    validate_manifest,
+    verify_files,
+    write_atomic,
+)
+
+DOCUMENTATION = r"""
+---
+module: model_weights
+short_description: Pinned, manifest-verified, resumable model directory with an atomically switched served symlink
+description:
+  - "Ensures C(<root>/revisions/<revision>/) holds exactly the files of the revision's manifest
+    (JSON object with C(revision) and C(files), a list of C(path), C(size), C(sha256)) and that O(link) is a symlink
+    to it."
+  - Verification checks sizes first, then the sha256 of every file with a pool of threads (large reads; hashlib
+    releases the GIL). Each file is reported as V(ok), V(missing), V(size_mismatch), V(checksum_mismatch),
+    V(fetched) or V(repaired).
+  - Missing or corrupt files are fetched into C(<root>/.staging/<revision>/<path>.part), resumed by byte offset
+    (HTTP Range, rsync --append, copy from offset), verified, and only then moved into the revision directory. A
+    corrupted shard of the served revision is replaced by an atomic rename of a verified copy, so a half-copied shard
+    is never visible under the revision directory.
+  - A disk-space preflight (bytes still to fetch + O(space_margin_mib)) runs before anything is written.
+  - The served symlink is switched atomically (symlink to a temporary name, then rename over O(link)); revisions
+    beyond the O(keep) most recently served are deleted.
+  - The manifest of an already complete revision is read from C(<root>/revisions/<revision>/manifest.json), so a
+    healthy host does not need the source; the source is contacted only when something has to be fetched.
+  - Revisions that are 64 hex digits are content addresses (sha256 of the canonical file list, see
+    C(scripts/model-manifest)) and are checked against the manifest's file list.
+version_added: "1.0.0"
+author: b300-pd contributors
+attributes:
+  check_mode:
+    support: full
+    details: Reports per-file state, what would be fetched and how many bytes; touches nothing.
+  diff_mode:
+    support: partial
+    details: Shows the served symlink target before and after.
+options:
+  root:
+    description: Directory holding C(revisions/), C(.staging/) and the bookkeeping files.
+    type: path
+    required: true
+  revision:
+    description:
+      - The revision to serve. For O(source.type=hf) the full 40-hex commit id; for a locally generated model the
+        64-hex content revision written by C(scripts/model-manifest).
+    type: str
+    required: true
+  link:
+    description: The served path (C(pd_model_path)); made a symlink to C(<root>/revisions/<revision>), relative.
+    type: path
+    required: true
+  source:
+    description: Where missing files come from.
+    type: dict
+    required: true
+    suboptions:
+      type:
+        description: V(hf) Hugging Face hub, V(http) a mirror, V(path) a directory, V(peer) rsync from a cluster host.
+        type: str
+        required: true
+        choices: [hf, http, path, peer]
+      repo_id:
+        description: Hub repository (V(hf)).
+        type: str
+      endpoint:
+        description: Hub base URL (V(hf)).
+        type: str
+        default: https://huggingface.co
+      url:
+        description: Mirror base URL serving C(<url>/manifest.json) and C(<url>/<path>) (V(http)).
+        type: str
+      path:
+        description:
+          - Directory with C(manifest.json) and the files (V(path)), or the revision directory on the peer (V(peer)).
+        type: path
+      host:
+        description: Peer address for rsync over ssh (V(peer)); empty means a local directory (tests).
+        type: str
+      user:
+        description: ssh user on the peer (V(peer)).
+        type: str
+      port:
+        description: ssh port on the peer (V(peer)).
+        type: int
+      ssh_key:
+        description: Private key on this host used to reach the peer (V(peer)).
+        type: path
+      ssh_args:
+        description: Extra ssh options (V(peer)).
+        type: list
+        elements: str
+        default: []
+  token:
+    description: Bearer token for V(hf) and V(http) sources (C(pd_hf_token) from the vault).
+    type: str
+  keep:
+    description: How many served revisions to keep (the current one included) for rollback.
+    type: int
+    default: 2
+  verify:
+    description: V(full) hashes every file of the revision on every run; V(size) checks sizes only (fetched files are
+      always hashed).
+    type: str
+    default: full
+    choices: [full, size]
+  workers:
+    description: Hashing threads; 0 means min(8, CPUs).
+    type: int
+    default: 0
+  download_workers:
+    description: Files fetched in parallel.
+    type: int
+    default: 4
+  buffer_size_mib:
+    description: Read/copy buffer size.
+    type: int
+    default: 16
+  space_margin_mib:
+    description: Free space that must remain after the fetch (disk preflight).
+    type: int
+    default: 1024
+  timeout:
+    description: HTTP timeout in seconds (per request / read).
+    type: int
+    default: 60
+  retries:
+    description: HTTP retries per file within one run (each retry resumes from the bytes already staged).
+    type: int
+    default: 3
+  owner:
+    description: Owner of the directories and files this module creates (default the connecting user).
+    type: str
+  group:
+    description: Group of the directories and files this module creates.
+    type: str
+notes:
+  - Directories are created C(0755) and files C(0644), so any local user (C(pd_vllm_user)) can read the model.
+  - O(source.type=hf) talks to the hub's REST API directly (C(/api/models/<repo>/revision/<rev>?blobs=true), the
+    endpoint behind C(HfApi.model_info(files_metadata=True))) and downloads C(/<repo>/resolve/<rev>/<file>) with
+    Range requests; no C(huggingface_hub) is needed on the hosts. Non-LFS files are checked by their git blob id.
+  - O(source.type=peer) runs C(rsync) over C(ssh) from this host to the peer; this host needs C(rsync) and an ssh
+    key the peer accepts (see the model_weights role README).
+"""
+
+EXAMPLES = r"""
+- name: Serve GLM-5.2-NVFP4 at a pinned hub commit
+  model_weights:
+    root: /mnt/model/glm
+    link: /mnt/model/glm/GLM-5.2-NVFP4
+    revision: 0123456789abcdef0123456789abcdef01234567
+    source:
+      type: hf
+      repo_id: zai-org/GLM-5.2-NVFP4
+    token: "{{ pd_hf_token }}"
+
+- name: Copy the revision from the first host
+  model_weights:
+    root: /mnt/model/glm
+    link: /mnt/model/glm/GLM-5.2-NVFP4
+    revision: 0123456789abcdef0123456789abcdef01234567
+    source:
+      type: peer
+      host: 10.0.0.11
+      user: root
+      path: /mnt/model/glm/revisions/0123456789abcdef0123456789abcdef01234567
+
+- name: A locally generated model on shared storage
+  model_weights:
+    root: /srv/models
+    link: /srv/models/tiny-pd
+    revision: "{{ lookup('ansible.builtin.file', 'tiny-pd.REVISION') }}"
+    source:
+      type: path
+      path: /srv/model-src/tiny-pd
+"""
+
+RETURN = r"""
+revision:
+  description: The served revision.
+  returned: always
+  type: str
+revision_path:
+  description: C(<root>/revisions/<revision>).
+  returned: always
+  type: str
+link:
+  description: The served symlink.
+  returned: always
+  type: str
+previous_target:
+  description: Where O(link) pointed before (null when it did not exist).
+  returned: always
+  type: str
+files:
+  description: Per-file state (ok, missing, size_mismatch, checksum_mismatch in check mode; ok, fetched, repaired).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"path": "model-00001-of-00002.safetensors", "size": 5368709120, "state": "ok"}]
+summary:
+  description: Number of files per state.
+  returned: always
+  type: dict
+  sample: {"ok": 81, "repaired": 1}
+fetch_bytes:
+  description: Bytes still to fetch when the run started (already staged .part bytes excluded).
+  returned: always
+  type: int
+transferred_bytes:
+  description: Bytes actually transferred from the source in this run.
+  returned: always
+  type: int
+removed:
+  description: Files in the revision directory that are not in the manifest, removed (or that would be).
+  returned: always
+  type: list
+  elements: str
+pruned:
+  description: Old revisions deleted (or that would be) beyond O(keep).
+  returned: always
+  type: list
+  elements: str
+manifest_origin:
+  description: V(local) when the revision's own manifest.json was used, else the source description.
+  returned: always
+  type: str
+"""
+
+REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+HISTORY_NAME = ".served-history.json"
+LOCK_NAME = ".lock"
+MIB = 1024 * 1024
+
+
+class WeightsError(Exception):
+    pass
+
+
+def _fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024.0
+    return str(n)
+
+
+class ModelWeights:
+    def __init__(self, module):
+        self.module = module
+        p = module.params
+        self.check = module.check_mode
+        self.root = os.path.abspath(p["root"])
+        self.revision = p["revision"]
+        self.link = os.path.abspath(p["link"])
+        self.keep = p["keep"]
+        self.deep = p["verify"] == "full"
+        self.workers = p["workers"] or default_workers()
+        self.dl_workers = max(1, p["download_workers"])
+        self.bufsize = max(1, p["buffer_size_mib"]) * MIB
+        self.margin = max(0, p["space_margin_mib"]) * MIB
+        self.revdir = os.path.join(self.root, "revisions", self.revision)
+        self.staging = os.path.join(self.root, ".staging", self.revision)
+        self.uid = pwd.getpwnam(p["owner"]).pw_uid if p["owner"] else -1
+        self.gid = grp.getgrnam(p["group"]).gr_gid if p["group"] else -1
+        self._fetcher = None
+
+    # ------------------------------------------------------------ inputs
+
+    def validate(self):
+        src = self.module.params["source"]
+        if not REVISION_RE.match(self.revision):
+            raise WeightsError(f"revision {self.revision!r} is not a plain revision id ([A-Za-z0-9._-], no '/')")
+        if self.keep < 1:
+            raise WeightsError(f"keep must be >= 1 (got {self.keep})")
+        t = src["type"]
+        if t == "hf":
+            if not src.get("repo_id"):
+                raise WeightsError("source.repo_id is required for source.type=hf")
+            if not SHA1_RE.match(self.revision):
+                raise WeightsError(
+                    f"revision {self.revision!r} for hf repo {src['repo_id']} must be a full 40-hex commit id "
+                    "(pin pd_model_source.revision; branch names and tags move)"
+                )
+        elif t == "http" and not src.get("url"):
+            raise WeightsError("source.url is required for source.type=http")
+        elif t in ("path", "peer") and not src.get("path"):
+            raise WeightsError(f"source.path is required for source.type={t}")
+        if os.path.lexists(self.link) and not os.path.islink(self.link):
+            raise WeightsError(
+                f"{self.link} exists and is not a symlink; move it away (it is the served path model_weights manages)"
+            )
+
+    def fetcher(self):
+        if self._fetcher is None:
+            p = self.module.params
+            src = p["source"]
+            t = src["type"]
+            if t == "hf":
+                self._fetcher = HfFetcher(
+                    src["repo_id"], self.revision, endpoint=src["endpoint"], token=p["token"],
+                    timeout=p["timeout"], bufsize=self.bufsize, retries=p["retries"],
+                )
+            elif t == "http":
+                self._fetcher = HttpFetcher(
+                    src["url"], token=p["token"], timeout=p["timeout"], bufsize=self.bufsize, retries=p["retries"]
+                )
+            elif t == "path":
+                self._fetcher = PathFetcher(src["path"], bufsize=self.bufsize)
+            else:
+                self._fetcher = RsyncFetcher(
+                    self.module.run_command, src["path"], host=src.get("host"), user=src.get("user"),
+                    port=src.get("port"), ssh_key=src.get("ssh_key"), ssh_args=src.get("ssh_args"),
+                )
+        return self._fetcher
+
+    def source_manifest(self):
+        f = self.fetcher()
+        if isinstance(f, RsyncFetcher):
+            tmp = tempfile.mkdtemp(prefix="model-weights-")
+            try:
+                m = f.manifest(tmp)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            m = f.manifest()
+        return validate_manifest(m, expected_revision=self.revision, origin=f"source {f.describe()}")
+
+    # ------------------------------------------------------------ plan
+
+    def plan(self):
+        local_path = os.path.join(self.revdir, MANIFEST_NAME)
+        manifest = None
+        origin = "local"
+        self.local_manifest_bad = None
+        if os.path.exists(local_path):
+            try:
+                manifest = validate_manifest(
+                    read_manifest_file(local_path), expected_revision=self.revision, origin=local_path
+                )
+            except ManifestError as e:
+                self.local_manifest_bad = str(e)
+                manifest = None
+        if manifest is None:
+            manifest = self.source_manifest()
+            origin = self.fetcher().describe()
+        states = verify_files(self.revdir, manifest["files"], workers=self.workers, bufsize=self.bufsize,
+                              deep=self.deep)
+        if origin == "local" and any(s != OK for s in states.values()):
+            # Something must be fetched: the source is the authority on what the revision holds.
+            src_manifest = self.source_manifest()
+            origin = self.fetcher().describe()
+            states = self._reconcile(manifest, src_manifest, states)
+            manifest = src_manifest
+        self.manifest = manifest
+        self.origin = origin
+        self.states = states
+        listed = {f["path"] for f in manifest["files"]}
+        self.extra = sorted(set(list_files(self.revdir)) - listed) if os.path.isdir(self.revdir) else []
+        self.todo = [f for f in manifest["files"] if states[f["path"]] != OK]
+        self.fetch_bytes = 0
+        for f in self.todo:
+            part = os.path.join(self.staging, f["path"] + PART_SUFFIX)
+            have = os.path.getsize(part) if os.path.isfile(part) else 0
+            self.fetch_bytes += f["size"] - (have if have <= f["size"] else 0)
+        self.want_target = os.path.relpath(self.revdir, os.path.dirname(self.link))
+        self.current_target = os.readlink(self.link) if os.path.islink(self.link) else None
+        self.link_ok = self.current_target is not None and (
+            self.current_target == self.want_target
+            or os.path.realpath(self.link) == os.path.realpath(self.revdir)
+        )
+        self.to_prune = self._prune_plan()
+
+    def _reconcile(self, local, source, states):
+        by_path = {f["path"]: f for f in local["files"]}
+        redo = []
+        out = {}
+        for f in source["files"]:
+            lf = by_path.get(f["path"])
+            same = lf is not None and lf["size"] == f["size"] and (
+                ("sha256" in f and lf.get("sha256") == f["sha256"]) or ("sha256" not in f)
+            )
+            if same and f["path"] in states:
+                out[f["path"]] = states[f["path"]]
+                if "sha256" not in f and lf.get("sha256"):
+                    f["sha256"] = lf["sha256"]  # checked locally before; the hub only gave a git blob id
+            else:
+                redo.append(f)
+        if redo:
+            out.update(verify_files(self.revdir, redo, workers=self.workers, bufsize=self.bufsize, deep=True))
+        return out
+
+    def _write_manifest(self):
+        """Write the revision's own manifest.json (sha256 for every file) when it differs; returns True if written."""
+        files = []
+        for f in self.manifest["files"]:
+            sha = f.get("sha256") or hash_file(os.path.join(self.revdir, f["path"]), self.bufsize)[1]
+            files.append({"path": f["path"], "size": f["size"], "sha256": sha})
+        norm = {"revision": self.revision, "files": files}
+        path = os.path.join(self.revdir, MANIFEST_NAME)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                if json.load(fh) == norm:
+                    return False
+        except (OSError, ValueError):
+            pass
+        write_atomic(path, dumps_manifest(norm))
+        self._own(path)
+        return True
+
+    def _history(self):
+        try:
+            with open(os.path.join(self.root, HISTORY_NAME), encoding="utf-8") as fh:
+                h = json.load(fh)
+            return [r for r in h if isinstance(r, str)] if isinstance(h, list) else []
+        except (OSError, ValueError):
+            return []
+
+    def _prune_plan(self):
+        revs_dir = os.path.join(self.root, "revisions")
+        if not os.path.isdir(revs_dir):
+            return []
+        present = [
+            d for d in os.listdir(revs_dir) if os.path.isdir(os.path.join(revs_dir, d)) and not d.startswith(".")
+        ]
+        history = [self.revision] + [r for r in self._history() if r != self.revision]
+        known = [self.revision] + [r for r in history[1:] if r in present]  # the new one counts before it exists
+        unknown = sorted(
+            (r for r in present if r not in history),
+            key=lambda r: os.stat(os.path.join(revs_dir, r)).st_mtime,
+            reverse=True,
+        )
+        order = known + unknown
+        return [r for r in order[self.keep:] if r != self.revision]
+
+    # ------------------------------------------------------------ apply
+
+    def preflight(self):
+        fs_path, free = free_bytes(self.root)
+        need = self.fetch_bytes + self.margin if self.todo else 0
+        if need > free:
+            raise WeightsError(
+                f"not enough disk space for revision {self.revision} under {self.root} (filesystem of {fs_path}): "
+                f"need {_fmt_bytes(need)} ({_fmt_bytes(self.fetch_bytes)} still to fetch + "
+                f"{_fmt_bytes(self.margin)} margin), free {_fmt_bytes(free)}, short by {_fmt_bytes(need - free)}; "
+                "free space there or lower model_weights_keep"
+            )
+
+    def _own(self, path):
+        if self.uid != -1 or self.gid != -1:
+            os.chown(path, self.uid, self.gid)
+
+    def _makedirs(self, path):
+        missing = []
+        p = path
+        while not os.path.isdir(p):
+            missing.append(p)
+            p = os.path.dirname(p)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                continue
+            os.chmod(d, 0o755)  # noqa: S103 (world-readable on purpose: pd_vllm_user reads the model)
+            self._own(d)
+
+    def _fetch_one(self, entry):
+        part = os.path.join(self.staging, entry["path"] + PART_SUFFIX)
+        self._makedirs(os.path.dirname(part))
+        fetcher = self.fetcher()
+        transferred = 0
+        for attempt in (1, 2):
+            transferred += fetcher.fetch(entry, part)
+            size = os.path.getsize(part) if os.path.exists(part) else -1
+            if size == entry["size"]:
+                if "sha256" in entry:
+                    good = hash_file(part, self.bufsize)[1] == entry["sha256"]
+                else:
+                    good = git_blob_sha1(part, self.bufsize) == entry["git_sha1"]
+                if good:
+                    break
+            # A wrong prefix (earlier corrupt partial) or a bad transfer: start over from byte 0, once.
+            if os.path.exists(part):
+                os.unlink(part)
+            if attempt == 2:
+                raise WeightsError(
+                    f"{entry['path']} from {fetcher.describe()} does not match the manifest after a full re-fetch "
+                    f"(size {size}, expected {entry['size']}); the source is corrupt"
+                )
+        if "sha256" not in entry:
+            entry["sha256"] = hash_file(part, self.bufsize)[1]
+        os.chmod(part, 0o644)
+        self._own(part)
+        dest = os.path.join(self.revdir, entry["path"])
+        self._makedirs(os.path.dirname(dest))
+        if os.path.isdir(dest) and not os.path.islink(dest):
+            shutil.rmtree(dest)
+        os.replace(part, dest)  # atomic: readers see the old file or the verified new one, never a partial one
+        return transferred
+
+    def apply(self):
+        self._makedirs(self.root)
+        lock_fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            import fcntl
+
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise WeightsError(f"another model_weights run holds {self.root}/{LOCK_NAME}") from None
+            return self._apply_locked()
+        finally:
+            os.close(lock_fd)
+
+    def _apply_locked(self):
+        changed = False
+        transferred = 0
+        self._makedirs(self.revdir)
+        if self.todo:
+            self._makedirs(self.staging)
+            errors = []
+            with ThreadPoolExecutor(max_workers=self.dl_workers) as ex:
+                futures = [(f, ex.submit(self._fetch_one, f)) for f in self.todo]
+                for f, fut in futures:
+                    try:
+                        transferred += fut.result()
+                    except (ManifestError, WeightsError, OSError) as e:
+                        errors.append(f"{f['path']}: {e}")
+            if errors:
+                raise WeightsError(
+                    f"{len(errors)} of {len(self.todo)} files could not be fetched (what arrived is kept in "
+                    f"{self.staging} and resumed next run): " + "; ".join(errors)
+                )
+            changed = True
+        for rel in self.extra:
+            os.unlink(os.path.join(self.revdir, rel))
+            changed = True
+        self._write_manifest()
+        if os.path.isdir(self.staging):
+            shutil.rmtree(self.staging)
+        if not self.link_ok:
+            self._makedirs(os.path.dirname(self.link))
+            tmp = f"{self.link}.tmp-{os.getpid()}"
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            os.symlink(self.want_target, tmp)
+            os.replace(tmp, self.link)
+            changed = True
+        history = [self.revision] + [r for r in self._history() if r != self.revision]
+        for r in self.to_prune:
+            shutil.rmtree(os.path.join(self.root, "revisions", r), ignore_errors=False)
+            shutil.rmtree(os.path.join(self.root, ".staging", r), ignore_errors=True)
+            changed = True
+        history = [r for r in history if r not in self.to_prune]
+        if history != self._history():
+            write_atomic(os.path.join(self.root, HISTORY_NAME), json.dumps(history) + "\n")
+        return changed, transferred
+
+    # ------------------------------------------------------------ run
+
+    def run(self):
+        t0 = time.monotonic()
+        self.validate()
+        self.plan()
+        if not self.check:
+            self.preflight()
+        result = dict(
+            revision=self.revision,
+            revision_path=self.revdir,
+            link=self.link,
+            previous_target=self.current_target,
+            fetch_bytes=self.fetch_bytes if self.todo else 0,
+            transferred_bytes=0,
+            removed=self.extra,
+            pruned=self.to_prune,
+            manifest_origin=self.origin,
+        )
+        if self.local_manifest_bad:
+            self.module.warn(f"ignored the revision's own manifest ({self.local_manifest_bad}); used the source's")
+        final = dict(self.states)
+        if self.check:
+            changed = bool(self.todo or self.extra or not self.link_ok or self.to_prune)
+            try:
+                self.preflight()
+            except WeightsError as e:
+                self.module.warn(f"check mode: the real run would fail the disk preflight: {e}")
+        else:
+            changed, transferred = self.apply()
+            result["transferred_bytes"] = transferred
+            for f in self.todo:
+                final[f["path"]] = FETCHED if self.states[f["path"]] == MISSING else REPAIRED
+        result["files"] = [
+            {"path": f["path"], "size": f["size"], "state": final[f["path"]]} for f in self.manifest["files"]
+        ]
+        summary = {}
+        for s in final.values():
+            summary[s] = summary.get(s, 0) + 1
+        result["summary"] = summary
+        result["elapsed_s"] = round(time.monotonic() - t0, 3)
+        if not self.link_ok:
+            result["diff"] = {
+                "before": {"link": self.link, "target": self.current_target or "(absent)"},
+                "after": {"link": self.link, "target": self.want_target},
+            }
+        result["changed"] = changed
+        return result
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            root=dict(type="path", required=True),
+            revision=dict(type="str", required=True),
+            link=dict(type="path", required=True),
+            source=dict(
+                type="dict",
+                required=True,
+                options=dict(
+                    type=dict(type="str", required=True, choices=["hf", "http", "path", "peer"]),
+                    repo_id=dict(type="str"),
+                    endpoint=dict(type="str", default="https://huggingface.co"),
+                    url=dict(type="str"),
+                    path=dict(type="path"),
+                    host=dict(type="str"),
+                    user=dict(type="str"),
+                    port=dict(type="int"),
+                    ssh_key=dict(type="path", no_log=False),
+                    ssh_args=dict(type="list", elements="str", default=[]),
+                ),
+            ),
+            token=dict(type="str", no_log=True),
+            keep=dict(type="int", default=2),
+            verify=dict(type="str", default="full", choices=["full", "size"]),
+            workers=dict(type="int", default=0),
+            download_workers=dict(type="int", default=4),
+            buffer_size_mib=dict(type="int", default=16),
+            space_margin_mib=dict(type="int", default=1024),
+            timeout=dict(type="int", default=60),
+            retries=dict(type="int", default=3),
+            owner=dict(type="str"),
+            group=dict(type="str"),
+        ),
+        supports_check_mode=True,
+    )
+    try:
+        result = ModelWeights(module).run()
+    except (WeightsError, ManifestError) as e:
+        module.fail_json(msg=str(e))
+    except KeyError as e:
+        module.fail_json(msg=f"unknown owner/group {e}")
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()
