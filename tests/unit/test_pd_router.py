@@ -1,0 +1,223 @@
+"""roles/pd_router: the vllm-router command line derived from the topology, checked against the real router.
+
+- pd_router_workers / pd_router_argv on both real inventories (inventory/b300, inventory/local);
+- the argv parsed by the installed vllm-router's own parser (launch_router.parse_router_args in
+  .cache/router-venv, made by scripts/bootstrap.d/55-router-wheelhouse) and the parsed RouterArgs compared
+  with the topology: every prefill/decode URL, ports, policies, timeouts;
+- the unit file rendered by Ansible from the role's real tasks and template (ExecStart, sandboxing, no key);
+- bad topology fails with a message naming host, instance and field.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = ROOT / "roles" / "pd_router"
+ROUTER_VENV = ROOT / ".cache" / "router-venv"
+ROUTER_PY = ROUTER_VENV / "bin" / "python"
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import load_inventory  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("pd_router_filters", ROLE / "filter_plugins" / "pd_router.py")
+pdr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pdr)
+
+DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+
+
+def settings(**over):
+    s = {
+        "kv_connector": DEFAULTS["pd_router_kv_connector"], "host": "0.0.0.0", "port": 8000,
+        "metrics_host": "0.0.0.0", "metrics_port": 29000, "policy": DEFAULTS["pd_router_policy"],
+        "prefill_policy": DEFAULTS["pd_router_prefill_policy"], "decode_policy": DEFAULTS["pd_router_decode_policy"],
+        "health_check_endpoint": "/health", "health_check_interval_secs": 10, "health_check_timeout_secs": 5,
+        "health_failure_threshold": 3, "health_success_threshold": 2, "worker_startup_timeout_secs": 1800,
+        "worker_startup_check_interval": 10, "retry_max_retries": 3, "retry_initial_backoff_ms": 100,
+        "retry_max_backoff_ms": 5000, "request_timeout_secs": 1800, "queue_timeout_secs": 60, "log_level": "info",
+        "extra_args": {}, "api_key_env": "",
+    }
+    s.update(over)
+    return s
+
+
+def topo(name):
+    inv = load_inventory(name)
+    groups = {"vllm_hosts": list(inv["hosts"])}
+    return groups, inv["hosts"]
+
+
+def parse_with_router(argv):
+    """Parse argv with the installed vllm-router's own parser; returns its RouterArgs as a dict."""
+    if not ROUTER_PY.exists():
+        pytest.fail(f"{ROUTER_PY} missing: run `PD_BOOTSTRAP_LOCAL=1 PD_ROOT=$PWD scripts/bootstrap.d/55-router-wheelhouse`")
+    code = textwrap.dedent("""
+        import dataclasses, json, sys
+        from vllm_router.launch_router import parse_router_args
+        ra = parse_router_args(json.loads(sys.argv[1]))
+        print(json.dumps(dataclasses.asdict(ra), default=str))
+    """)
+    p = subprocess.run([str(ROUTER_PY), "-c", code, json.dumps(argv)], capture_output=True, text=True, timeout=60)
+    return p.returncode, (json.loads(p.stdout) if p.returncode == 0 else None), p.stderr
+
+
+def test_b300_workers_are_every_instance_in_inventory_order():
+    groups, hv = topo("b300")
+    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    assert [x["url"] for x in w["prefill"]] == [
+        "http://192.0.2.11:8100", "http://192.0.2.11:8101", "http://192.0.2.12:8100", "http://192.0.2.12:8101"]
+    assert [x["name"] for x in w["prefill"]] == ["prefill-a", "prefill-b", "prefill-c", "prefill-d"]
+    assert [x["url"] for x in w["decode"]] == ["http://192.0.2.13:8200"]
+
+
+@pytest.mark.parametrize("inv", ["b300", "local"])
+def test_argv_is_accepted_by_the_real_router_and_means_the_topology(inv):
+    groups, hv = topo(inv)
+    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    argv = pdr.pd_router_argv(w, settings())
+    rc, ra, err = parse_with_router(argv)
+    assert rc == 0, err
+    assert ra["vllm_pd_disaggregation"] is True
+    # Prefill entries parsed as (url, bootstrap_port=None) in topology order; decode URLs likewise.
+    assert [p[0] for p in ra["prefill_urls"]] == [x["url"] for x in w["prefill"]]
+    assert all(p[1] is None for p in ra["prefill_urls"])
+    assert ra["decode_urls"] == [x["url"] for x in w["decode"]]
+    assert (ra["host"], ra["port"]) == ("0.0.0.0", 8000)
+    assert (ra["prometheus_host"], ra["prometheus_port"]) == ("0.0.0.0", 29000)
+    assert ra["prefill_policy"] == DEFAULTS["pd_router_prefill_policy"]
+    assert ra["decode_policy"] == DEFAULTS["pd_router_decode_policy"]
+    assert ra["request_timeout_secs"] == 1800
+    assert ra["retry_max_retries"] == 3
+    assert ra["health_check_interval_secs"] == 10
+    assert ra["kv_connector"] == "nixl"
+
+
+def test_router_rejects_what_it_does_not_know():
+    """The validation is real: a flag the installed router lacks, or a bad policy, fails parsing."""
+    groups, hv = topo("local")
+    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    rc, _, err = parse_with_router(pdr.pd_router_argv(w, settings(extra_args={"no-such-router-flag": 3})))
+    assert rc != 0 and "no-such-router-flag" in err
+    rc, _, err = parse_with_router(pdr.pd_router_argv(w, settings(decode_policy="fastest")))
+    assert rc != 0 and "fastest" in err
+
+
+def test_every_default_flag_exists_in_router_help():
+    if not (ROUTER_VENV / "bin" / "vllm-router").exists():
+        pytest.fail("router venv missing: run scripts/bootstrap.d/55-router-wheelhouse")
+    helptext = subprocess.run([str(ROUTER_VENV / "bin" / "vllm-router"), "--help"], capture_output=True, text=True,
+                              timeout=60, check=True).stdout
+    groups, hv = topo("b300")
+    argv = pdr.pd_router_argv(pdr.pd_router_workers(groups, hv, "vllm_hosts"), settings(api_key_env="K"))
+    flags = {a for a in argv if a.startswith("--")}
+    assert "--api-key" in flags
+    missing = [f for f in flags if f + " " not in helptext and f + "\n" not in helptext]
+    assert not missing, f"flags not in vllm-router --help: {missing}"
+
+
+def test_api_key_is_an_env_reference_never_the_secret():
+    groups, hv = topo("local")
+    argv = pdr.pd_router_argv(pdr.pd_router_workers(groups, hv, "vllm_hosts"), settings(api_key_env="VLLM_ROUTER_API_KEY"))
+    i = argv.index("--api-key")
+    assert argv[i + 1] == "${VLLM_ROUTER_API_KEY}"
+    assert "--api-key" not in pdr.pd_router_argv(pdr.pd_router_workers(groups, hv, "vllm_hosts"), settings())
+
+
+def test_extra_args_follow_the_flag_convention_and_cannot_shadow_owned_flags():
+    groups, hv = topo("local")
+    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    argv = pdr.pd_router_argv(w, settings(extra_args={"disable-circuit-breaker": True, "cors-allowed-origins": None,
+                                                      "queue-size": 50}))
+    assert "--disable-circuit-breaker" in argv and "--cors-allowed-origins" not in argv
+    assert argv[argv.index("--queue-size") + 1] == "50"
+    with pytest.raises(Exception, match=r"pd_router_extra_args sets '--decode'"):
+        pdr.pd_router_argv(w, settings(extra_args={"decode": "http://x:1"}))
+
+
+@pytest.mark.parametrize(("mutate", "pattern"), [
+    (lambda hv: hv["pd-decode-0"]["pd_instances"][0].update(pool="both"),
+     r"host 'pd-decode-0', instance 'decode-0': field 'pool' is 'both'"),
+    (lambda hv: hv["pd-prefill-0"]["pd_instances"][1].update(http_port=8100),
+     r"host 'pd-prefill-0', instance 'prefill-1': URL http://10.237.0.11:8100 is also instance 'prefill-0'"),
+    (lambda hv: hv["pd-prefill-0"]["pd_instances"][0].update(http_port="80x"),
+     r"instance 'prefill-0': field 'http_port' is '80x'"),
+    (lambda hv: hv["pd-decode-0"].update(pd_instances=[]), r"host 'pd-decode-0': pd_instances is missing or empty"),
+    (lambda hv: hv["pd-decode-0"]["pd_instances"][0].update(pool="prefill", name="p9"), r"no decode instance"),
+])
+def test_bad_topology_names_host_instance_and_field(mutate, pattern):
+    groups, hv = topo("local")
+    mutate(hv)
+    with pytest.raises(Exception, match=pattern):
+        pdr.pd_router_workers(groups, hv, "vllm_hosts")
+
+
+def test_same_port_for_api_and_metrics_is_refused():
+    groups, hv = topo("local")
+    with pytest.raises(Exception, match="both 8000"):
+        pdr.pd_router_argv(pdr.pd_router_workers(groups, hv, "vllm_hosts"), settings(metrics_port=8000))
+
+
+def test_quote_for_systemd_round_trips_through_a_shell_split():
+    argv = ["--prefill", "http://10.0.0.1:8100", "none", "--x", '{"a": "b c"}', "--p", "50%", "${KEY}"]
+    line = pdr.pd_router_quote(argv)
+    assert "%%" in line and "${KEY}" in line
+    # systemd's quoting is shell-like; shlex gives the same split once %% is unescaped.
+    assert shlex.split(line.replace("%%", "%")) == argv
+
+
+def test_unit_rendered_by_ansible_from_the_role(tmp_path):
+    """Runs the role's real config tasks and unit template through ansible-playbook on localhost."""
+    inv_dir = ROOT / "inventory" / "local"
+    pb = tmp_path / "render.yml"
+    pb.write_text(textwrap.dedent(f"""
+        - name: Render the router unit
+          hosts: pd-router-0
+          connection: local
+          gather_facts: false
+          vars:
+            pd_router_api_key: "s3cret-should-not-appear"
+          tasks:
+            - name: Derive
+              ansible.builtin.include_role:
+                name: pd_router
+                tasks_from: config.yml
+                public: true
+            - name: Template
+              ansible.builtin.template:
+                src: "{ROLE}/templates/vllm-router.service.j2"
+                dest: "{tmp_path}/vllm-router.service"
+                mode: "0644"
+              delegate_to: localhost
+    """))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
+    p = subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv_dir), str(pb)],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    unit = (tmp_path / "vllm-router.service").read_text()
+    assert "s3cret" not in unit
+    exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    args = shlex.split(exec_line[len("ExecStart="):])
+    assert args[0] == "/opt/vllm-router/current/bin/vllm-router"
+    assert args[args.index("--api-key") + 1] == "${VLLM_ROUTER_API_KEY}"
+    prefills = [args[i + 1] for i, a in enumerate(args) if a == "--prefill"]
+    decodes = [args[i + 1] for i, a in enumerate(args) if a == "--decode"]
+    assert prefills == ["http://10.237.0.11:8100", "http://10.237.0.11:8101"]
+    assert decodes == ["http://10.237.0.12:8200"]
+    for line in ("NoNewPrivileges=true", "ProtectSystem=strict", "ProtectHome=true", "PrivateTmp=true",
+                 "Restart=on-failure", "User=vllm-router", "EnvironmentFile=/etc/vllm-router/router.env"):
+        assert line in unit.splitlines(), line
+    # And the real router accepts exactly what the unit would run.
+    rc, ra, err = parse_with_router([a.replace("${VLLM_ROUTER_API_KEY}", "k") for a in args[1:]])
+    assert rc == 0, err
+    assert ra["api_key"] == "k"

@@ -1,0 +1,418 @@
+"""roles/pd_verify/files/pd_verify.py against stdlib fake vLLM servers (real HTTP on 127.0.0.1).
+
+The fakes speak the parts of vLLM's API the script uses (/health, /v1/models, /v1/completions with
+return_token_ids and SSE streaming, /v1/chat/completions, /tokenize, /metrics) and Prometheus' /api/v1/query.
+A fake "router" answers like the P/D path: it bumps the decode instance's KV counters (kv_transfer + NIXL
+count) — or, when told to, recomputes (local_compute only) or corrupts a token — so every check can fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("pd_verify", ROOT / "roles" / "pd_verify" / "files" / "pd_verify.py")
+pv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pv)
+
+MODEL = "tiny-pd"
+
+
+def gen_ids(prompt, n):
+    base = sum(ord(c) for c in prompt)
+    return [(base + 7 * i) % 997 for i in range(n)]
+
+
+class State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.kv_transfer = 0.0
+        self.local_compute = 0.0
+        self.nixl = 0
+        self.pd_corrupt_at = None  # position where the P/D path returns a different token
+        self.recompute = False  # P/D path computes locally instead of transferring
+        self.expose_kv_metrics = True
+        self.models = {"prefill-0": [MODEL], "decode-0": [MODEL], "router": [MODEL]}
+        self.health = {"prefill-0": 200, "decode-0": 200, "router": 200}
+        self.answers = {}  # prompt -> text the model answers
+        self.ttft_s = 0.0
+        self.token_s = 0.0
+        self.requests = []
+
+
+def make_handler(name, st):
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code, body, ctype="application/json"):
+            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            path = urlparse(self.path).path
+            if path == "/health":
+                return self._send(st.health[name], {})
+            if path == "/v1/models":
+                return self._send(200, {"object": "list", "data": [{"id": m} for m in st.models[name]]})
+            if path == "/metrics" and name == "decode-0":
+                lines = ["# HELP vllm:num_requests_running x", f'vllm:num_requests_running{{model_name="{MODEL}"}} 0']
+                if st.expose_kv_metrics:
+                    lines += [
+                        "# TYPE vllm:prompt_tokens_by_source_total counter",
+                        f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="kv_transfer"}} '
+                        f"{st.kv_transfer}",
+                        f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="local_compute"}} '
+                        f"{st.local_compute}",
+                        f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="local_cache_hit"}} 0.0',
+                        f'vllm:nixl_xfer_time_seconds_count{{engine="0",model_name="{MODEL}"}} {st.nixl}',
+                        f'vllm:nixl_xfer_time_seconds_sum{{engine="0",model_name="{MODEL}"}} {st.nixl * 0.01}',
+                    ]
+                return self._send(200, "\n".join(lines) + "\n", "text/plain")
+            return self._send(404, {"error": "not found"})
+
+        def do_POST(self):
+            path = urlparse(self.path).path
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            st.requests.append((name, path, body))
+            if path == "/tokenize":
+                toks = [len(w) for w in body["prompt"].split()]
+                return self._send(200, {"count": len(toks), "tokens": toks, "max_model_len": 4096})
+            if path == "/v1/chat/completions":
+                q = body["messages"][-1]["content"]
+                return self._send(200, {"choices": [{"message": {"role": "assistant", "content": st.answers.get(q, "?")}}]})
+            if path != "/v1/completions":
+                return self._send(404, {"error": "no route"})
+            prompt, n = body["prompt"], int(body["max_tokens"])
+            ids = gen_ids(prompt, n)
+            if name == "router":
+                ntok = len(prompt.split())
+                with st.lock:
+                    if st.recompute:
+                        st.local_compute += ntok
+                    else:
+                        st.kv_transfer += ntok - 1
+                        st.local_compute += 1
+                        st.nixl += 1
+                if st.pd_corrupt_at is not None and st.pd_corrupt_at < len(ids):
+                    ids[st.pd_corrupt_at] += 1
+            text = st.answers.get(prompt, " ".join(f"w{i}" for i in ids))
+            if body.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                time.sleep(st.ttft_s)
+                for k, i in enumerate(ids):
+                    if k:
+                        time.sleep(st.token_s)
+                    self.wfile.write(f'data: {json.dumps({"choices": [{"text": f" w{i}"}]})}\n\n'.encode())
+                    self.wfile.flush()
+                usage = {"choices": [], "usage": {"completion_tokens": len(ids), "prompt_tokens": len(prompt.split())}}
+                self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+                return None
+            return self._send(200, {"choices": [{"text": text, "token_ids": ids, "finish_reason": "length"}],
+                                    "usage": {"completion_tokens": n}})
+
+    return H
+
+
+class Cluster:
+    def __init__(self):
+        self.st = State()
+        self.servers = {}
+        for name in ("prefill-0", "decode-0", "router"):
+            srv = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(name, self.st))
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            self.servers[name] = srv
+
+    def url(self, name):
+        return f"http://127.0.0.1:{self.servers[name].server_address[1]}"
+
+    def config(self, **over):
+        cfg = {
+            "inventory": "test", "router_url": self.url("router"), "model": MODEL, "max_model_len": 4096,
+            "request_timeout_s": 30, "steps": list(pv.STEPS),
+            "instances": [{"name": "prefill-0", "pool": "prefill", "host": "h1", "url": self.url("prefill-0")},
+                          {"name": "decode-0", "pool": "decode", "host": "h2", "url": self.url("decode-0")}],
+            "readiness": {"retries": 2, "delay_s": 0.01, "timeout_s": 2},
+            "warmup": {"concurrency": [1, 2], "output_tokens": 4, "context_min_tokens": 32,
+                       "context_max_tokens": 256, "context_points": 3},
+            "kv_check": {"prompts": 2, "prompt_tokens": 64, "max_tokens": 8, "direct_instance": "prefill-0",
+                         "min_transfer_fraction": 0.8,
+                         "metrics": {"by_source": "vllm:prompt_tokens_by_source_total", "source_kv": "kv_transfer",
+                                     "source_local": "local_compute",
+                                     "xfer_count": "vllm:nixl_xfer_time_seconds_count"}},
+            "accuracy": {"inline": [], "match": "prefix", "min_score": 0.8, "max_tokens": 8, "concurrency": 2},
+            "sla": {"input_len": 32, "output_len": 5, "concurrency": 2, "num_prompts": 4, "ttft_mean_s": 2.5,
+                    "tpot_mean_ms": 20.0, "enforce": True},
+            "prometheus": {"url": "http://127.0.0.1:9", "required": False, "queries": {}},
+        }
+        for k, v in over.items():
+            if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+                cfg[k].update(v)
+            else:
+                cfg[k] = v
+        return cfg
+
+    def close(self):
+        for s in self.servers.values():
+            s.shutdown()
+            s.server_close()
+
+
+@pytest.fixture
+def cluster():
+    c = Cluster()
+    yield c
+    c.close()
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_healthy_pd_passes_readiness_warmup_and_kv_check(cluster):
+    rep = pv.run_all(cluster.config(), steps=("readiness", "warmup", "kv_transfer"))
+    assert rep["ok"], rep["failures"]
+    kv = rep["steps"]["kv_transfer"]
+    assert all(c["identical"] and c["basis"] == "token_ids" for c in kv["cases"])
+    assert kv["totals"]["nixl_transfers"] == 2
+    assert kv["transferred_fraction"] > 0.9
+    # Warmup covered each concurrency level and the context range through the router.
+    w = rep["steps"]["warmup"]
+    assert [r["concurrency"] for r in w["runs"] if r["kind"] == "batch"] == [1, 2]
+    assert w["context_lengths"] == [32, 91, 256]
+    router_bodies = [b for n, p, b in cluster.st.requests if n == "router" and p == "/v1/completions"]
+    assert len(router_bodies) == 1 + 2 + 3 + 2  # warmup batches, warmup contexts, kv prompts
+
+
+def test_token_id_mismatch_between_pd_and_colocated_is_detected(cluster):
+    cluster.st.pd_corrupt_at = 3
+    rep = pv.run_all(cluster.config(), steps=("readiness", "kv_transfer"))
+    assert not rep["ok"]
+    kv = rep["steps"]["kv_transfer"]
+    assert [c["identical"] for c in kv["cases"]] == [False, False]
+    assert kv["cases"][0]["first_mismatch"] == 3
+    assert any("token ids differ" in e and "position 3" in e for e in kv["errors"])
+
+
+def test_recomputed_prompt_is_not_a_kv_transfer(cluster):
+    cluster.st.recompute = True
+    rep = pv.run_all(cluster.config(), steps=("kv_transfer",))
+    errs = rep["steps"]["kv_transfer"]["errors"]
+    assert not rep["ok"]
+    assert any("no NIXL transfer" in e for e in errs)
+    assert any("computed the prompt itself" in e for e in errs)
+
+
+def test_missing_kv_metrics_are_reported_with_what_exists(cluster):
+    cluster.st.expose_kv_metrics = False
+    rep = pv.run_all(cluster.config(), steps=("kv_transfer",))
+    assert not rep["ok"]
+    assert any("decode /metrics lacks" in e and "decode-0" in e for e in rep["failures"])
+
+
+def test_instance_down_is_named_and_later_steps_do_not_run(cluster):
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = cluster.config()
+    cfg["instances"].append({"name": "prefill-1", "pool": "prefill", "host": "h1", "url": dead})
+    rep = pv.run_all(cfg)
+    assert not rep["ok"]
+    errs = rep["steps"]["readiness"]["errors"]
+    assert len(errs) == 1 and errs[0].startswith(f"prefill-1 ({dead}) not ready after 2 attempt(s)")
+    assert rep["steps"]["sla"]["skipped"] and not rep["steps"]["sla"]["ok"]
+    assert not any(p == "/v1/completions" for _, p, _ in cluster.st.requests)
+
+
+def test_wrong_model_and_unhealthy_router_are_named(cluster):
+    cluster.st.models["decode-0"] = ["other-model"]
+    cluster.st.health["router"] = 503
+    rep = pv.run_all(cluster.config(), steps=("readiness",))
+    errs = " | ".join(rep["steps"]["readiness"]["errors"])
+    assert "decode-0" in errs and "not the served model 'tiny-pd'" in errs
+    assert "router" in errs and "HTTP 503" in errs
+    assert "prefill-0" not in errs
+
+
+def test_readiness_retries_until_ready(cluster):
+    cluster.st.health["decode-0"] = 503
+    sleeps = []
+
+    def sleep(s):
+        sleeps.append(s)
+        cluster.st.health["decode-0"] = 200
+
+    cfg = cluster.config(readiness={"retries": 3, "delay_s": 0.5})
+    rep = pv.run_all(cfg, steps=("readiness",), sleep=sleep)
+    assert rep["ok"], rep["failures"]
+    dec = next(t for t in rep["steps"]["readiness"]["targets"] if t["name"] == "decode-0")
+    assert dec["attempts"] == 2 and sleeps == [0.5]
+
+
+@pytest.mark.parametrize(("output", "answers", "mode", "ok"), [
+    (" cat dog fox</s>", ["cat dog fox"], "prefix", True),
+    (" fox dog cat", ["cat dog fox"], "prefix", False),
+    ("The answer is 391.", ["391"], "contains", True),
+    ("The answer is 3910.", ["391"], "contains", False),
+    ("canberra", ["Canberra"], "exact", True),
+    ("canberra city", ["Canberra"], "exact", False),
+])
+def test_score_answer(output, answers, mode, ok):
+    assert pv.score_answer(output, answers, mode) is ok
+
+
+def test_accuracy_score_against_threshold_from_eval_file(cluster, tmp_path):
+    items = [{"prompt": f"Q: copy a{i} b{i}\nA:", "question": f"copy a{i} b{i}", "answer": f"a{i} b{i}"}
+             for i in range(5)]
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(i) for i in items) + "\n\n")
+    for it in items[:4]:
+        cluster.st.answers[it["prompt"]] = " " + it["answer"]
+    cluster.st.answers[items[4]["prompt"]] = " b4 a4"
+    acc = pv.run_all(cluster.config(accuracy={"eval_file": str(tmp_path / "eval.jsonl"), "min_score": 0.8}),
+                     steps=("accuracy",))["steps"]["accuracy"]
+    assert acc["score"] == 0.8 and acc["ok"] and acc["n"] == 5
+    acc = pv.run_all(cluster.config(accuracy={"eval_file": str(tmp_path / "eval.jsonl"), "min_score": 0.9}),
+                     steps=("accuracy",))["steps"]["accuracy"]
+    assert not acc["ok"] and "below pd_verify_accuracy_min 0.9" in acc["errors"][0]
+
+
+def test_accuracy_chat_mode_with_inline_items(cluster):
+    cluster.st.answers = {"What is 17 * 23?": "It is 391.", "Capital of Australia?": "Sydney"}
+    cfg = cluster.config(accuracy={"inline": [{"question": "What is 17 * 23?", "answer": "391"},
+                                              {"question": "Capital of Australia?", "answer": "Canberra"}],
+                                   "chat": True, "match": "contains", "min_score": 0.5,
+                                   "reference_scores": {"aime_2025": 86.67}})
+    acc = pv.run_all(cfg, steps=("accuracy",))["steps"]["accuracy"]
+    assert acc["score"] == 0.5 and acc["ok"]
+    assert [r["correct"] for r in acc["results"]] == [True, False]
+    assert acc["reference_scores"] == {"aime_2025": 86.67}
+    chat_paths = [p for n, p, _ in cluster.st.requests if n == "router"]
+    assert chat_paths == ["/v1/chat/completions"] * 2
+
+
+def test_bad_eval_items_fail_clearly(tmp_path):
+    (tmp_path / "e.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="needs 'prompt'"):
+        pv.load_eval(str(tmp_path / "e.jsonl"))
+
+
+def test_summarize_bench_uses_vllm_bench_definitions():
+    recs = [{"ttft_s": 0.1, "e2e_s": 1.1, "output_tokens": 11},  # tpot 100 ms
+            {"ttft_s": 0.3, "e2e_s": 0.8, "output_tokens": 11},  # tpot 50 ms
+            {"error": "boom"}]
+    s = pv.summarize_bench(recs, duration_s=2.0, ttft_slo_ms=200, tpot_slo_ms=60)
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert s["mean_ttft_ms"] == pytest.approx(200.0)
+    assert s["mean_tpot_ms"] == pytest.approx(75.0)
+    assert s["good_requests"] == 0  # first misses TPOT, second misses TTFT
+    assert s["output_throughput_tok_s"] == pytest.approx(11.0)
+    s = pv.summarize_bench(recs[:2], duration_s=2.0, ttft_slo_ms=300, tpot_slo_ms=100)
+    assert s["good_requests"] == 2 and s["goodput_req_s"] == pytest.approx(1.0)
+
+
+def test_sla_met_miss_and_enforcement(cluster):
+    cluster.st.ttft_s, cluster.st.token_s = 0.05, 0.01
+    sla = pv.run_all(cluster.config(), steps=("sla",))["steps"]["sla"]
+    assert sla["verdict"] == "MET" and sla["ok"], sla
+    assert 40 <= sla["result"]["mean_ttft_ms"] < 1000
+    assert 8 <= sla["result"]["mean_tpot_ms"] < 200
+    assert sla["result"]["completed"] == 4 and sla["goodput_arg"] == "ttft:2500 tpot:20"
+    # A TTFT SLA of 10 ms cannot be met by a 50 ms first token: MISS, enforced -> fail.
+    sla = pv.run_all(cluster.config(sla={"ttft_mean_s": 0.01}), steps=("sla",))["steps"]["sla"]
+    assert sla["verdict"] == "MISS" and not sla["ok"] and "mean TTFT" in sla["errors"][0]
+    # Same MISS, not enforced (local inventory): reported, not failed.
+    rep = pv.run_all(cluster.config(sla={"ttft_mean_s": 0.01, "enforce": False}), steps=("sla",))
+    assert rep["ok"] and rep["steps"]["sla"]["verdict"] == "MISS" and rep["steps"]["sla"]["misses"]
+    streamed = [b for n, p, b in cluster.st.requests if n == "router" and b.get("stream")]
+    assert streamed and all(b["ignore_eos"] and b["max_tokens"] == 5 for b in streamed)
+
+
+def test_parse_prometheus_real_exposition():
+    text = (
+        "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.\n"
+        "# TYPE vllm:prompt_tokens_by_source_total counter\n"
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-pd",source="kv_transfer"} 496.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-pd",source="local_compute"} 3.0\n'
+        'vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.001",model_name="tiny-pd"} 2.0\n'
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny-pd"} 3.0\n'
+        'weird{label="a \\"quoted\\" b"} 1e3\n'
+    )
+    s = pv.parse_prometheus(text)
+    assert pv.metric_sum(s, "vllm:prompt_tokens_by_source_total", source="kv_transfer") == 496.0
+    assert pv.metric_sum(s, "vllm:prompt_tokens_by_source_total") == 499.0
+    assert pv.metric_sum(s, "vllm:nixl_xfer_time_seconds_count") == 3.0
+    assert pv.metric_sum(s, "nope") is None
+    assert pv.metric_sum(s, "weird") == 1000.0
+
+
+def test_context_lengths_clip_to_window_and_refuse_impossible():
+    cfg = {"max_model_len": 4096, "warmup": {"output_tokens": 16, "context_min_tokens": 256,
+                                             "context_max_tokens": 262144, "context_points": 3}}
+    lengths = pv.context_lengths(cfg)
+    assert lengths[0] == 256 and lengths[-1] == 4096 - 16 - 8 and len(lengths) == 3
+    cfg["max_model_len"] = 16
+    with pytest.raises(ValueError, match="does not fit the model window 16"):
+        pv.context_lengths(cfg)
+
+
+def test_prometheus_per_pool_values():
+    class P(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            q = parse_qs(urlparse(self.path).query)["query"][0]
+            res = [] if "empty" in q else [{"metric": {"pool": "prefill"}, "value": [0, "0.25"]},
+                                           {"metric": {"pool": "decode"}, "value": [0, "NaN"]}]
+            data = json.dumps({"status": "success", "data": {"resultType": "vector", "result": res}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), P)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        res = pv.step_prometheus({"prometheus": {"url": url, "required": True,
+                                                 "queries": {"ttft": "ttft_q", "tpot": "empty_q"}}})
+        assert res["values"]["ttft"] == {"prefill": 0.25, "decode": None}
+        assert not res["ok"] and "tpot: no series" in res["errors"][0]
+        res = pv.step_prometheus({"prometheus": {"url": url, "required": False, "queries": {"tpot": "empty_q"}}})
+        assert res["ok"] and res["warnings"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_cli_writes_reports_and_exit_code(cluster, tmp_path):
+    cfg = cluster.config(steps=["readiness", "kv_transfer"])
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    rc = pv.main(["--config", str(tmp_path / "c.json"), "--json", str(tmp_path / "r.json"),
+                  "--markdown", str(tmp_path / "r.md")])
+    rep = json.loads((tmp_path / "r.json").read_text())
+    md = (tmp_path / "r.md").read_text()
+    assert rc == 0 and rep["ok"] and rep["steps"]["sla"]["skipped"]
+    assert "— PASS" in md and "identical token ids P/D vs colocated (prefill-0): 2/2" in md
+    cluster.st.pd_corrupt_at = 0
+    rc = pv.main(["--config", str(tmp_path / "c.json"), "--json", str(tmp_path / "r.json"),
+                  "--markdown", str(tmp_path / "r.md")])
+    assert rc == 1 and "— FAIL" in (tmp_path / "r.md").read_text()
+    assert pv.main(["--config", str(tmp_path / "missing.json"), "--json", str(tmp_path / "x.json")]) == 2
