@@ -1,0 +1,105 @@
+#!/usr/bin/python
+# Copyright: b300-pd contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: pd_topology
+short_description: Validate the whole P/D topology before any host changes
+description:
+  - Checks every vLLM host's C(pd_instances), C(pd_gpus_per_host) and C(ansible_host), the recipe vars and
+    C(pd_sla) together (like kubespray's validate_inventory). Collects all problems and fails once, one line
+    per problem naming host, instance, field and the fix.
+  - Runs on the control node and changes nothing.
+  - "Checks: missing/unknown fields, pool, unique names, GPU sets (overlap, beyond pd_gpus_per_host, length
+    = tp_size*dp_size), HTTP / NIXL side-channel range / DP RPC port collisions on a host (across kinds),
+    port numbers, prefill TP <= decode TP, model / block-size / kv-cache-dtype / dtype agreement between
+    the pools, both pools present, kv roles, reserved flags, SLA types and ranges."
+version_added: "1.0.0"
+author: b300-pd contributors
+options:
+  hosts:
+    description:
+      - Host name -> C({pd_instances, pd_gpus_per_host, ansible_host}); optional C(recipe) key with that
+        host's own values of the recipe vars (when group or host vars differ per host).
+    type: dict
+    required: true
+  recipe:
+    description: The recipe vars (C(pd_vllm_flags_common), C(pd_vllm_flags_pool), C(pd_kv_transfer_config),
+      C(pd_kv_roles), C(pd_vllm_env), C(pd_ucx_env), C(pd_model_path), C(pd_served_model_name)).
+    type: dict
+    required: true
+  sla:
+    description: C(pd_sla) (ttft_mean_s, tpot_mean_ms, context_min_tokens, context_max_tokens).
+    type: dict
+    required: true
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+"""
+
+EXAMPLES = r"""
+- name: Validate the P/D topology
+  pd_topology:
+    hosts:
+      b300-01:
+        ansible_host: 192.0.2.11
+        pd_gpus_per_host: 8
+        pd_instances: "{{ hostvars['b300-01'].pd_instances }}"
+    recipe:
+      pd_model_path: "{{ pd_model_path }}"
+      pd_served_model_name: "{{ pd_served_model_name }}"
+      pd_vllm_flags_common: "{{ pd_vllm_flags_common }}"
+      pd_vllm_flags_pool: "{{ pd_vllm_flags_pool }}"
+      pd_kv_transfer_config: "{{ pd_kv_transfer_config }}"
+      pd_kv_roles: "{{ pd_kv_roles }}"
+      pd_vllm_env: "{{ pd_vllm_env }}"
+      pd_ucx_env: "{{ pd_ucx_env }}"
+    sla: "{{ pd_sla }}"
+"""
+
+RETURN = r"""
+problems:
+  description: One line per problem (empty when valid).
+  returned: always
+  type: list
+  elements: str
+summary:
+  description: Hosts, instances per pool (host/name) and GPUs used.
+  returned: always
+  type: dict
+  sample: {hosts: 3, instances: {prefill: [b300-01/prefill-a], decode: [b300-03/decode-a]}, gpus: 24}
+"""
+
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402 (community.general layout)
+from ansible.module_utils.pd_topology import summarize, validate_topology  # noqa: E402
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            hosts=dict(type="dict", required=True),
+            recipe=dict(type="dict", required=True),
+            sla=dict(type="dict", required=True),
+        ),
+        supports_check_mode=True,
+    )
+    hosts, recipe, sla = module.params["hosts"], module.params["recipe"], module.params["sla"]
+    problems = validate_topology(hosts, recipe, sla)
+    summary = summarize(hosts)
+    if problems:
+        module.fail_json(
+            msg=f"P/D topology invalid ({len(problems)} problem{'s' if len(problems) != 1 else ''}); "
+            "nothing was changed:\n" + "\n".join(f"- {p}" for p in problems),
+            problems=problems,
+            summary=summary,
+        )
+    module.exit_json(changed=False, problems=[], summary=summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,459 @@
+#!/usr/bin/python
+# Copyright: b300-pd contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: vllm_instance
+short_description: Render one vLLM instance's systemd unit and env file from the P/D recipe
+description:
+  - Builds the flags, argv, environment and systemd unit of one C(pd_instances) entry from the recipe
+    vars (rules in docs/architecture.md), using C(module_utils/pd_recipe.py).
+  - Before writing anything, parses the argv with the argument parser of the vLLM installed in
+    O(validate_python) (C(make_arg_parser) over C(FlexibleArgumentParser)); an unknown flag or bad JSON
+    fails the task with the flag named and nothing written.
+  - If O(validate_python) does not exist (bare host, check mode before install), warns and skips only that
+    check (RV(flags_validated) is false).
+  - Writes C(<env_dir>/<name>.env) (mode 0640, root:O(group)) and C(<unit_dir>/vllm-<name>.service)
+    (mode 0644) atomically (temp file and rename in the same directory). Does not reload or restart
+    systemd; RV(restart_required) tells the caller.
+version_added: "1.0.0"
+author: b300-pd contributors
+options:
+  instance:
+    description: One C(pd_instances) entry (name, pool, gpus, tp_size, dp_size, http_port, nixl_side_channel_port,
+      dp_rpc_port, ucx_net_devices, extra_flags, extra_env).
+    type: dict
+    required: true
+  recipe:
+    description: The recipe vars C(pd_vllm_flags_common), C(pd_vllm_flags_pool), C(pd_kv_transfer_config),
+      C(pd_kv_roles), C(pd_vllm_env), C(pd_ucx_env), C(pd_model_path), C(pd_served_model_name).
+    type: dict
+    required: true
+  host_address:
+    description: The host's address (C(ansible_host)); becomes C(VLLM_NIXL_SIDE_CHANNEL_HOST).
+    type: str
+    required: true
+  python:
+    description: The interpreter of the vLLM venv that the unit runs (C(<pd_vllm_prefix>/current/bin/python)).
+    type: path
+    default: /opt/vllm/current/bin/python
+  validate_python:
+    description:
+      - Interpreter whose vLLM parses the flags. Defaults to O(python).
+      - Looked up on the real filesystem (not under O(render_root)).
+    type: path
+  validate_flags:
+    description: Parse the flags with vLLM's parser before writing. Only turn off to render without vLLM.
+    type: bool
+    default: true
+  validate_timeout:
+    description: Seconds the vLLM parser check may take (importing vLLM and torch is slow on a cold host).
+    type: int
+    default: 300
+  user:
+    description: The unprivileged user the instance runs as.
+    type: str
+    default: vllm
+  group:
+    description: The group of the instance (and of the env file). Defaults to O(user).
+    type: str
+  unit_dir:
+    description: Directory of the systemd unit.
+    type: path
+    default: /etc/systemd/system
+  env_dir:
+    description: Directory of the env file.
+    type: path
+    default: /etc/vllm
+  state_root:
+    description: Parent of each instance's state/working directory (HOME and caches live there).
+    type: path
+    default: /var/lib/vllm
+  restart_sec:
+    description: C(RestartSec=) of the unit.
+    type: int
+    default: 30
+  stop_grace_s:
+    description: C(TimeoutStopSec=) is vLLM's C(--shutdown-timeout) plus this many seconds.
+    type: int
+    default: 30
+  render_root:
+    description:
+      - Write the files under this directory instead of C(/) (review renders on the control node,
+        playbooks/render.yml). Ownership is not changed in that mode.
+    type: path
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: full
+"""
+
+EXAMPLES = r"""
+- name: Render the unit of each vLLM instance
+  vllm_instance:
+    instance: "{{ item }}"
+    recipe:
+      pd_vllm_flags_common: "{{ pd_vllm_flags_common }}"
+      pd_vllm_flags_pool: "{{ pd_vllm_flags_pool }}"
+      pd_kv_transfer_config: "{{ pd_kv_transfer_config }}"
+      pd_kv_roles: "{{ pd_kv_roles }}"
+      pd_vllm_env: "{{ pd_vllm_env }}"
+      pd_ucx_env: "{{ pd_ucx_env }}"
+      pd_model_path: "{{ pd_model_path }}"
+      pd_served_model_name: "{{ pd_served_model_name }}"
+    host_address: "{{ ansible_host }}"
+    python: /opt/vllm/current/bin/python
+    user: vllm
+  loop: "{{ pd_instances }}"
+  loop_control:
+    label: "{{ item.name }}"
+
+- name: Render for review into ./render/<host>/ without touching the host
+  vllm_instance:
+    instance: "{{ item }}"
+    recipe: "{{ recipe }}"
+    host_address: "{{ ansible_host }}"
+    render_root: "render/{{ inventory_hostname }}"
+  loop: "{{ pd_instances }}"
+"""
+
+RETURN = r"""
+unit_name:
+  description: The systemd unit name.
+  returned: always
+  type: str
+  sample: vllm-prefill-a.service
+unit_path:
+  description: Path of the unit file (under render_root when set).
+  returned: always
+  type: str
+  sample: /etc/systemd/system/vllm-prefill-a.service
+env_path:
+  description: Path of the env file (under render_root when set).
+  returned: always
+  type: str
+  sample: /etc/vllm/prefill-a.env
+argv:
+  description: The vLLM arguments after C(python -m vllm.entrypoints.openai.api_server).
+  returned: always
+  type: list
+  elements: str
+restart_required:
+  description: True when the unit or env content changed (the running process uses the old config).
+  returned: always
+  type: bool
+created:
+  description: True when the unit file did not exist before.
+  returned: always
+  type: bool
+flags_validated:
+  description: Whether vLLM's own argument parser accepted the flags (false when it could not be run).
+  returned: always
+  type: bool
+vllm_version:
+  description: The vLLM version whose parser validated the flags.
+  returned: when flags_validated
+  type: str
+"""
+
+import grp  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
+import json  # noqa: E402
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.pd_recipe import (  # noqa: E402
+    RecipeError,
+    build_argv,
+    build_env,
+    env_file_path,
+    render_env_file,
+    render_unit,
+    unit_name,
+)
+
+RESULT_MARKER = "PD_VLLM_ARGCHECK "
+
+# Runs inside the vLLM venv: builds the api_server's parser exactly as vLLM does and parses argv (stdin, JSON).
+ARGCHECK_SCRIPT = r"""
+import contextlib, io, json, sys
+MARK = "PD_VLLM_ARGCHECK "
+def emit(d):
+    sys.stdout.write("\n" + MARK + json.dumps(d) + "\n")
+    sys.stdout.flush()
+argv = json.loads(sys.stdin.read())
+try:
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        from vllm.utils import FlexibleArgumentParser
+    from vllm.entrypoints.openai import cli_args
+    try:
+        from vllm import __version__ as version
+    except ImportError:
+        version = "unknown"
+except Exception as e:
+    emit({"ok": False, "stage": "import", "error": "%s: %s" % (type(e).__name__, e)})
+    sys.exit(0)
+parser = cli_args.make_arg_parser(FlexibleArgumentParser(prog="vllm.entrypoints.openai.api_server"))
+err = io.StringIO()
+stage = "parse"
+try:
+    with contextlib.redirect_stderr(err):
+        args = parser.parse_args(argv)
+        stage = "validate"
+        check = getattr(cli_args, "validate_parsed_serve_args", None)
+        if check is not None:
+            check(args)
+except SystemExit:
+    lines = [l for l in err.getvalue().splitlines() if l.strip()]
+    msg = [l for l in lines if "error:" in l] or lines[-1:] or ["argument parser exited"]
+    emit({"ok": False, "stage": stage, "error": msg[-1].split("error:", 1)[-1].strip(), "version": version})
+except Exception as e:
+    emit({"ok": False, "stage": stage, "error": "%s: %s" % (type(e).__name__, e), "version": version})
+else:
+    emit({"ok": True, "version": version})
+"""
+
+
+def parse_argcheck_output(stdout):
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return json.loads(line[len(RESULT_MARKER):])
+    return None
+
+
+def validate_with_vllm(module, python, argv, name, timeout=300):
+    """Returns (validated, version). Fails the module when vLLM's parser rejects argv."""
+    if not os.path.exists(python):
+        module.warn(
+            f"instance {name}: {python} does not exist (vLLM not installed yet?); flags were NOT checked "
+            "with vLLM's argument parser"
+        )
+        return False, None
+    cmd = [python, "-c", ARGCHECK_SCRIPT]
+    timeout_bin = module.get_bin_path("timeout")
+    if timeout_bin and timeout:
+        cmd = [timeout_bin, str(timeout), *cmd]
+    rc, out, err = module.run_command(
+        cmd,
+        data=json.dumps(argv),
+        binary_data=True,
+        environ_update={"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"},
+    )
+    result = parse_argcheck_output(out or "")
+    if result is None:
+        if rc == 124:
+            err = f"timed out after {timeout} s (raise validate_timeout)"
+        module.fail_json(
+            msg=f"instance {name}: could not run vLLM's argument parser with {python} (rc={rc}): "
+            f"{(err or out or '').strip()[-2000:]}. Fix the vLLM venv (role vllm_install); nothing was written.",
+            argv=argv,
+        )
+    if result.get("ok"):
+        return True, result.get("version")
+    if result.get("stage") == "import":
+        module.fail_json(
+            msg=f"instance {name}: {python} cannot import vLLM's argument parser ({result.get('error')}). "
+            "Fix the vLLM venv (role vllm_install); nothing was written.",
+            argv=argv,
+        )
+    module.fail_json(
+        msg=f"instance {name}: vLLM {result.get('version')} rejects the flags: {result.get('error')}. "
+        "Fix that flag in pd_vllm_flags_common / pd_vllm_flags_pool / this instance's extra_flags; "
+        "nothing was written.",
+        argv=argv,
+        vllm_version=result.get("version"),
+    )
+    return False, None  # not reached
+
+
+def read_text(path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+
+
+def file_needs_attrs(path, mode, uid, gid):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return True
+    if (st.st_mode & 0o7777) != mode:
+        return True
+    if uid is not None and st.st_uid != uid:
+        return True
+    return gid is not None and st.st_gid != gid
+
+
+def atomic_write(path, content, mode, uid, gid):
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(content)
+            fh.flush()
+            os.fchmod(fh.fileno(), mode)
+            if uid is not None or gid is not None:
+                os.fchown(fh.fileno(), -1 if uid is None else uid, -1 if gid is None else gid)
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def set_attrs(path, mode, uid, gid):
+    os.chmod(path, mode)
+    if uid is not None or gid is not None:
+        os.chown(path, -1 if uid is None else uid, -1 if gid is None else gid)
+
+
+def under_root(render_root, path):
+    if not render_root:
+        return path
+    return os.path.join(render_root, path.lstrip("/"))
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            instance=dict(type="dict", required=True),
+            recipe=dict(type="dict", required=True),
+            host_address=dict(type="str", required=True),
+            python=dict(type="path", default="/opt/vllm/current/bin/python"),
+            validate_python=dict(type="path"),
+            validate_flags=dict(type="bool", default=True),
+            validate_timeout=dict(type="int", default=300),
+            user=dict(type="str", default="vllm"),
+            group=dict(type="str"),
+            unit_dir=dict(type="path", default="/etc/systemd/system"),
+            env_dir=dict(type="path", default="/etc/vllm"),
+            state_root=dict(type="path", default="/var/lib/vllm"),
+            restart_sec=dict(type="int", default=30),
+            stop_grace_s=dict(type="int", default=30),
+            render_root=dict(type="path"),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    instance, recipe = p["instance"], p["recipe"]
+    name = instance.get("name")
+    if not isinstance(name, str) or not name:
+        module.fail_json(msg="instance: field name is missing; every pd_instances entry needs a unique name")
+    group = p["group"] or p["user"]
+    try:
+        argv = build_argv(recipe, instance)
+        env = build_env(recipe, instance, p["host_address"], state_root=p["state_root"])
+        unit_text = render_unit(
+            recipe,
+            instance,
+            python=p["python"],
+            user=p["user"],
+            group=group,
+            env_dir=p["env_dir"],
+            state_root=p["state_root"],
+            restart_sec=p["restart_sec"],
+            stop_grace_s=p["stop_grace_s"],
+        )
+        env_text = render_env_file(env, instance)
+    except RecipeError as exc:
+        module.fail_json(msg=f"{exc} (nothing was written)")
+
+    uname = unit_name(instance)
+    render_root = p["render_root"]
+    unit_path = under_root(render_root, os.path.join(p["unit_dir"], uname))
+    env_path = under_root(render_root, env_file_path(instance, p["env_dir"]))
+    result = dict(
+        changed=False,
+        restart_required=False,
+        created=False,
+        unit_name=uname,
+        unit_path=unit_path,
+        env_path=env_path,
+        argv=argv,
+        flags_validated=False,
+    )
+
+    if p["validate_flags"]:
+        validated, version = validate_with_vllm(
+            module, p["validate_python"] or p["python"], argv, name, p["validate_timeout"]
+        )
+        result["flags_validated"] = validated
+        if version:
+            result["vllm_version"] = version
+    else:
+        module.warn(f"instance {name}: validate_flags=false, flags were NOT checked with vLLM's argument parser")
+
+    gid = None
+    if not render_root:
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            if not module.check_mode:
+                module.fail_json(
+                    msg=f"instance {name}: group {group!r} does not exist; create it first "
+                    "(role vllm_serve does, in tasks/user.yml); nothing was written."
+                )
+    root_uid = 0 if not render_root and os.geteuid() == 0 else None
+
+    files = [
+        (unit_path, unit_text, 0o644, root_uid, 0 if root_uid == 0 else None),
+        (env_path, env_text, 0o640, root_uid, gid),
+    ]
+    diffs = []
+    content_changed = False
+    attrs_changed = False
+    for path, text, mode, uid, fgid in files:
+        before = read_text(path)
+        if path == unit_path:
+            result["created"] = before is None
+        if before != text:
+            content_changed = True
+            diffs.append(
+                dict(
+                    before_header=path if before is not None else "/dev/null",
+                    after_header=path,
+                    before=before or "",
+                    after=text,
+                )
+            )
+        elif file_needs_attrs(path, mode, uid, fgid):
+            attrs_changed = True
+
+    result["changed"] = content_changed or attrs_changed
+    result["restart_required"] = content_changed
+    if module._diff:
+        result["diff"] = diffs
+
+    if module.check_mode or not result["changed"]:
+        module.exit_json(**result)
+
+    for path, text, mode, uid, fgid in files:
+        directory = os.path.dirname(path)
+        if not os.path.isdir(directory):
+            if render_root:
+                os.makedirs(directory, mode=0o755, exist_ok=True)
+            else:
+                module.fail_json(
+                    msg=f"instance {name}: directory {directory} does not exist; create it first", **result
+                )
+        try:
+            if read_text(path) != text:
+                atomic_write(path, text, mode, uid, fgid)
+            elif file_needs_attrs(path, mode, uid, fgid):
+                set_attrs(path, mode, uid, fgid)
+        except OSError as exc:
+            module.fail_json(msg=f"instance {name}: cannot write {path}: {exc}", **result)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

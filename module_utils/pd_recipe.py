@@ -1,0 +1,433 @@
+# Copyright: b300-pd contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Render one vLLM instance (flags, argv, environment, systemd unit) from the recipe vars.
+
+Pure functions, no I/O: used by library/vllm_instance.py, library/pd_topology.py and the tests.
+The contract (inventory schema, flag rendering rules) is docs/architecture.md.
+Bad input raises RecipeError with a message naming the instance, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+RECIPE_KEYS = (
+    "pd_vllm_flags_common",
+    "pd_vllm_flags_pool",
+    "pd_kv_transfer_config",
+    "pd_kv_roles",
+    "pd_vllm_env",
+    "pd_ucx_env",
+    "pd_model_path",
+    "pd_served_model_name",
+)
+POOLS = ("prefill", "decode")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+# Flags the renderer sets per instance: setting them in common/pool/extra_flags would be silently
+# overridden or duplicated, so they are refused with the field that owns them.
+RESERVED_FLAGS = {
+    "model": "pd_model_path",
+    "port": "pd_instances[].http_port",
+    "tensor-parallel-size": "pd_instances[].tp_size",
+    "data-parallel-size": "pd_instances[].dp_size",
+    "data-parallel-rpc-port": "pd_instances[].dp_rpc_port",
+    "kv-transfer-config": "pd_kv_transfer_config / pd_kv_roles",
+    "served-model-name": "pd_served_model_name",
+}
+# vLLM's short aliases: the recipe uses long names only, so a short one is a mistake we can name.
+SHORT_FLAG_ALIASES = {
+    "tp": "tensor-parallel-size",
+    "dp": "data-parallel-size",
+    "ep": "enable-expert-parallel",
+    "pp": "pipeline-parallel-size",
+    "q": "quantization",
+    "O": "compilation-config",
+}
+# Environment the renderer sets per instance from instance fields.
+RESERVED_ENV = {
+    "CUDA_VISIBLE_DEVICES": "pd_instances[].gpus",
+    "UCX_NET_DEVICES": "pd_instances[].ucx_net_devices",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "the host's ansible_host",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "pd_instances[].nixl_side_channel_port",
+}
+FLAG_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+INSTANCE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+DEFAULT_STATE_ROOT = "/var/lib/vllm"
+DEFAULT_ENV_DIR = "/etc/vllm"
+
+
+class RecipeError(ValueError):
+    """Bad recipe or instance input; the message names instance, field and fix."""
+
+
+def _where(instance):
+    name = instance.get("name") if isinstance(instance, dict) else None
+    return f"instance {name}" if name else "instance <unnamed>"
+
+
+def unit_name(instance):
+    return f"vllm-{instance['name']}.service"
+
+
+def env_file_path(instance, env_dir=DEFAULT_ENV_DIR):
+    return f"{env_dir.rstrip('/')}/{instance['name']}.env"
+
+
+def state_dir(instance, state_root=DEFAULT_STATE_ROOT):
+    return f"{state_root.rstrip('/')}/{instance['name']}"
+
+
+def check_flag_dict(flags, field, where):
+    """Validate one flag dict (common, pool or extra_flags). Returns a list of problems."""
+    problems = []
+    if flags is None:
+        return problems
+    if not isinstance(flags, dict):
+        return [f"{where}, field {field}: must be a mapping of flag name -> value, got {type(flags).__name__}"]
+    for key in flags:
+        if not isinstance(key, str) or not key:
+            problems.append(f"{where}, field {field}: flag name {key!r} is not a string")
+            continue
+        if key.startswith("-"):
+            problems.append(
+                f"{where}, field {field}: flag {key!r} has leading dashes; write it as {key.lstrip('-')!r}"
+            )
+            continue
+        if key in SHORT_FLAG_ALIASES:
+            problems.append(
+                f"{where}, field {field}: short flag {key!r}; use the long name {SHORT_FLAG_ALIASES[key]!r}"
+            )
+            continue
+        if not FLAG_NAME_RE.match(key):
+            problems.append(f"{where}, field {field}: flag name {key!r} is not a valid long option name")
+            continue
+        norm = key.replace("_", "-")
+        if norm in RESERVED_FLAGS:
+            problems.append(
+                f"{where}, field {field}: flag {key!r} is set per instance by the renderer from "
+                f"{RESERVED_FLAGS[norm]}; remove it here and set that field instead"
+            )
+    return problems
+
+
+def check_env_dict(env, field, where, allow_reserved=False):
+    problems = []
+    if env is None:
+        return problems
+    if not isinstance(env, dict):
+        return [f"{where}, field {field}: must be a mapping of NAME -> value, got {type(env).__name__}"]
+    for key, value in env.items():
+        if not isinstance(key, str) or not ENV_NAME_RE.match(key):
+            problems.append(f"{where}, field {field}: {key!r} is not a valid environment variable name")
+            continue
+        if not allow_reserved and key in RESERVED_ENV:
+            problems.append(
+                f"{where}, field {field}: {key} is set per instance by the renderer from {RESERVED_ENV[key]}; "
+                "remove it here"
+            )
+        if isinstance(value, (dict, list)) or value is None:
+            problems.append(f"{where}, field {field}: {key} must be a string or number, got {type(value).__name__}")
+        elif "\n" in str(value) or "\0" in str(value):
+            problems.append(f"{where}, field {field}: {key} contains a newline or NUL; not allowed in an env file")
+    return problems
+
+
+def _norm_flags(flags):
+    return {k.replace("_", "-"): v for k, v in (flags or {}).items()}
+
+
+def kv_transfer_config(recipe, pool):
+    roles = recipe.get("pd_kv_roles") or {}
+    role = roles.get(pool)
+    if role not in KV_ROLES:
+        raise RecipeError(
+            f"field pd_kv_roles.{pool}: kv role {role!r} is missing or invalid; set it to one of {', '.join(KV_ROLES)}"
+        )
+    base = recipe.get("pd_kv_transfer_config") or {}
+    if not isinstance(base, dict) or not base.get("kv_connector"):
+        raise RecipeError(
+            "field pd_kv_transfer_config: must be a mapping with kv_connector (e.g. {kv_connector: NixlConnector})"
+        )
+    if "kv_role" in base:
+        raise RecipeError(
+            "field pd_kv_transfer_config: kv_role is added per pool from pd_kv_roles; remove kv_role here"
+        )
+    cfg = dict(base)
+    cfg["kv_role"] = role
+    return cfg
+
+
+def build_flags(recipe, instance):
+    """The effective flag dict of one instance, in rendering order (long names, no dashes)."""
+    where = _where(instance)
+    pool = instance.get("pool")
+    if pool not in POOLS:
+        raise RecipeError(f"{where}, field pool: {pool!r} is not a pool; use one of {', '.join(POOLS)}")
+    pools = recipe.get("pd_vllm_flags_pool") or {}
+    problems = []
+    problems += check_flag_dict(recipe.get("pd_vllm_flags_common"), "pd_vllm_flags_common", where)
+    problems += check_flag_dict(pools.get(pool), f"pd_vllm_flags_pool.{pool}", where)
+    problems += check_flag_dict(instance.get("extra_flags"), "extra_flags", where)
+    if problems:
+        raise RecipeError("; ".join(problems))
+    for field in ("tp_size", "dp_size", "http_port"):
+        value = instance.get(field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise RecipeError(f"{where}, field {field}: must be a positive integer, got {value!r}")
+    flags = {}
+    flags.update(_norm_flags(recipe.get("pd_vllm_flags_common")))
+    flags.update(_norm_flags(pools.get(pool)))
+    flags.update(_norm_flags(instance.get("extra_flags")))
+    served = recipe.get("pd_served_model_name")
+    if not served:
+        raise RecipeError("field pd_served_model_name: missing; set the name clients send as \"model\"")
+    flags["served-model-name"] = served
+    flags["port"] = instance["http_port"]
+    flags["tensor-parallel-size"] = instance["tp_size"]
+    flags["data-parallel-size"] = instance["dp_size"]
+    if instance["dp_size"] > 1:
+        rpc = instance.get("dp_rpc_port")
+        if not isinstance(rpc, int) or isinstance(rpc, bool) or not 1 <= rpc <= 65535:
+            raise RecipeError(
+                f"{where}, field dp_rpc_port: required when dp_size > 1 (a free TCP port), got {rpc!r}"
+            )
+        flags["data-parallel-rpc-port"] = rpc
+    try:
+        flags["kv-transfer-config"] = kv_transfer_config(recipe, pool)
+    except RecipeError as exc:
+        raise RecipeError(f"{where}, {exc}") from None
+    return flags
+
+
+def render_flag_value(value):
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def flags_to_argv(flags):
+    """architecture.md rules: true -> bare flag, false/None -> omitted, dict/list -> compact JSON."""
+    argv = []
+    for key, value in flags.items():
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(f"--{key}")
+        else:
+            argv.extend([f"--{key}", render_flag_value(value)])
+    return argv
+
+
+def build_argv(recipe, instance):
+    """Arguments after `python -m vllm.entrypoints.openai.api_server`."""
+    model = recipe.get("pd_model_path")
+    if not isinstance(model, str) or not model.startswith("/"):
+        raise RecipeError(f"field pd_model_path: must be an absolute path, got {model!r}")
+    return ["--model", model, *flags_to_argv(build_flags(recipe, instance))]
+
+
+def build_env(recipe, instance, host_address, state_root=DEFAULT_STATE_ROOT):
+    """The instance's environment, in env-file order. Later entries win (extra_env last)."""
+    where = _where(instance)
+    problems = []
+    problems += check_env_dict(recipe.get("pd_vllm_env"), "pd_vllm_env", where)
+    problems += check_env_dict(recipe.get("pd_ucx_env"), "pd_ucx_env", where)
+    problems += check_env_dict(instance.get("extra_env"), "extra_env", where)
+    if problems:
+        raise RecipeError("; ".join(problems))
+    if not host_address or not isinstance(host_address, str):
+        raise RecipeError(f"{where}, field ansible_host: the host address is missing; set ansible_host")
+    gpus = instance.get("gpus")
+    if not isinstance(gpus, list) or any(not isinstance(g, int) or isinstance(g, bool) or g < 0 for g in gpus):
+        raise RecipeError(f"{where}, field gpus: must be a list of GPU indexes (ints >= 0), [] on CPU; got {gpus!r}")
+    port = instance.get("nixl_side_channel_port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise RecipeError(f"{where}, field nixl_side_channel_port: must be a TCP port, got {port!r}")
+    home = state_dir(instance, state_root)
+    env = {
+        "HOME": home,
+        "XDG_CACHE_HOME": f"{home}/.cache",
+        "HF_HOME": f"{home}/.cache/huggingface",
+        "VLLM_CACHE_ROOT": f"{home}/.cache/vllm",
+        "TRITON_CACHE_DIR": f"{home}/.cache/triton",
+    }
+    env.update({k: str(v) for k, v in (recipe.get("pd_vllm_env") or {}).items()})
+    env.update({k: str(v) for k, v in (recipe.get("pd_ucx_env") or {}).items()})
+    ucx = instance.get("ucx_net_devices")
+    if ucx:
+        env["UCX_NET_DEVICES"] = str(ucx)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host_address
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    env.update({k: str(v) for k, v in (instance.get("extra_env") or {}).items()})
+    return env
+
+
+def _env_value_quote(value):
+    out = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace("`", "\\`")
+    return f'"{out}"'
+
+
+def render_env_file(env, instance):
+    lines = [f"# Managed by Ansible (b300-pd vllm_serve) for vllm-{instance['name']}.service. Do not edit."]
+    lines += [f"{k}={_env_value_quote(str(v))}" for k, v in env.items()]
+    return "\n".join(lines) + "\n"
+
+
+_NEEDS_QUOTES = re.compile(r"""[\s'"\\;%$]""")
+
+
+def systemd_quote(word):
+    """Quote one ExecStart word for systemd (systemd.service(5) "Command lines", systemd.syntax(7))."""
+    word = str(word)
+    escaped = word.replace("%", "%%").replace("$", "$$")
+    if word and not _NEEDS_QUOTES.search(word):
+        return escaped
+    escaped = escaped.replace("\\", "\\\\").replace("'", "\\'")
+    escaped = escaped.replace("\n", "\\n").replace("\t", "\\t")
+    return f"'{escaped}'"
+
+
+def systemd_split(command_line):
+    """Inverse of the ExecStart rendering: continuation lines, quotes, C escapes, %% and $$.
+
+    Enough of systemd's extract_first_word() to read back what render_unit() writes (tests use it).
+    """
+    text = command_line.replace("\\\n", " ")
+    words, cur, i, quote, have = [], [], 0, None, False
+    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', " ": " "}
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\" and i + 1 < len(text):
+            cur.append(escapes.get(text[i + 1], text[i + 1]))
+            have = True
+            i += 2
+            continue
+        if ch in "%$" and i + 1 < len(text) and text[i + 1] == ch:
+            cur.append(ch)
+            have = True
+            i += 2
+            continue
+        if quote:
+            if ch == quote:
+                quote = None
+            else:
+                cur.append(ch)
+        elif ch in "'\"":
+            quote, have = ch, True
+        elif ch.isspace():
+            if have:
+                words.append("".join(cur))
+                cur, have = [], False
+        else:
+            cur.append(ch)
+            have = True
+        i += 1
+    if quote:
+        raise ValueError("unterminated quote in command line")
+    if have:
+        words.append("".join(cur))
+    return words
+
+
+def shutdown_timeout(flags):
+    value = flags.get("shutdown-timeout")
+    if value in (None, False):
+        return 0
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        raise RecipeError(f"field shutdown-timeout: must be a number of seconds, got {value!r}") from None
+
+
+def render_unit(
+    recipe,
+    instance,
+    python,
+    user,
+    *,
+    group=None,
+    env_dir=DEFAULT_ENV_DIR,
+    state_root=DEFAULT_STATE_ROOT,
+    restart_sec=30,
+    stop_grace_s=30,
+):
+    """The systemd unit text of one instance."""
+    group = group or user
+    argv = build_argv(recipe, instance)
+    flags = build_flags(recipe, instance)
+    stop_timeout = shutdown_timeout(flags) + int(stop_grace_s)
+    home = state_dir(instance, state_root)
+    state_rel = home[len("/var/lib/"):] if home.startswith("/var/lib/") else None
+    name = instance["name"]
+    gpus = instance.get("gpus") or []
+    desc = (
+        f"vLLM {instance['pool']} instance {name} ({recipe.get('pd_served_model_name')}, "
+        f"TP{instance['tp_size']} DP{instance['dp_size']}, {len(gpus)} GPU{'s' if len(gpus) != 1 else ''})"
+    )
+    # argv pairs: put a flag and its value on one continuation line.
+    cmd_lines = [f"{systemd_quote(python)} -m {API_SERVER_MODULE}"]
+    i = 0
+    while i < len(argv):
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            cmd_lines.append(f"{systemd_quote(argv[i])} {systemd_quote(argv[i + 1])}")
+            i += 2
+        else:
+            cmd_lines.append(systemd_quote(argv[i]))
+            i += 1
+    exec_start = " \\\n    ".join(cmd_lines)
+    lines = [
+        f"# Managed by Ansible (b300-pd vllm_serve): {unit_name(instance)}. Do not edit; change the inventory.",
+        "[Unit]",
+        f"Description={desc}",
+        "Documentation=https://docs.vllm.ai/",
+        "After=network-online.target nvidia-fabricmanager.service nvidia-persistenced.service",
+        "Wants=network-online.target",
+        "StartLimitIntervalSec=0",
+        "",
+        "[Service]",
+        "Type=simple",
+        f"User={user}",
+        f"Group={group}",
+        f"EnvironmentFile={env_file_path(instance, env_dir)}",
+        f"WorkingDirectory={home}",
+    ]
+    if state_rel:
+        lines += [f"StateDirectory={state_rel}", "StateDirectoryMode=0750"]
+    lines += [
+        f"ExecStart={exec_start}",
+        "Restart=on-failure",
+        f"RestartSec={int(restart_sec)}",
+        "TimeoutStartSec=infinity",
+        f"TimeoutStopSec={stop_timeout}",
+        "KillSignal=SIGTERM",
+        "KillMode=mixed",
+        "LimitMEMLOCK=infinity",
+        "LimitNOFILE=1048576",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=full",
+        f"ReadWritePaths={state_root.rstrip('/')} /dev/shm",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        f"SyslogIdentifier=vllm-{name}",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def exec_start_argv(unit_text):
+    """The ExecStart command of a rendered unit, split back into words."""
+    m = re.search(r"^ExecStart=((?:.*\\\n)*.*)$", unit_text, re.M)
+    if not m:
+        raise ValueError("no ExecStart= in unit")
+    return systemd_split(m.group(1))
