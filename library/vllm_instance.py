@@ -18,7 +18,8 @@ description:
     check (RV(flags_validated) is false).
   - Writes C(<env_dir>/<name>.env) (mode 0640, root:O(group)) and C(<unit_dir>/vllm-<name>.service)
     (mode 0644) atomically (temp file and rename in the same directory). Does not reload or restart
-    systemd; RV(restart_required) tells the caller.
+    systemd; RV(restart_required) tells the caller, and stays true (marker RV(pending_path)) until the
+    caller removes the marker after the restart.
 version_added: "1.0.0"
 author: b300-pd contributors
 options:
@@ -143,9 +144,17 @@ argv:
   type: list
   elements: str
 restart_required:
-  description: True when the unit or env content changed (the running process uses the old config).
+  description:
+    - True when the unit or env content changed (the running process uses the old config), or when an
+      earlier run changed them and the restart did not happen yet (RV(pending_path) exists).
+    - The caller removes RV(pending_path) once the instance runs the new config (role vllm_serve does).
   returned: always
   type: bool
+pending_path:
+  description: Marker file written when content changes; present until the caller has restarted the instance.
+  returned: always (null with render_root)
+  type: str
+  sample: /etc/vllm/.prefill-a.restart-pending
 created:
   description: True when the unit file did not exist before.
   returned: always
@@ -316,6 +325,10 @@ def set_attrs(path, mode, uid, gid):
         os.chown(path, -1 if uid is None else uid, -1 if gid is None else gid)
 
 
+def pending_marker_path(env_dir, name):
+    return os.path.join(env_dir, f".{name}.restart-pending")
+
+
 def under_root(render_root, path):
     if not render_root:
         return path
@@ -428,13 +441,24 @@ def main():
         elif file_needs_attrs(path, mode, uid, fgid):
             attrs_changed = True
 
+    # A restart owed by an earlier run that failed before restarting survives in the pending marker, so the
+    # running process is never left on an old config because a previous play stopped half-way.
+    pending_path = None if render_root else pending_marker_path(p["env_dir"], name)
+    pending_before = bool(pending_path) and os.path.exists(pending_path)
+    result["pending_path"] = pending_path
     result["changed"] = content_changed or attrs_changed
-    result["restart_required"] = content_changed
+    result["restart_required"] = content_changed or pending_before
     if module._diff:
         result["diff"] = diffs
 
     if module.check_mode or not result["changed"]:
         module.exit_json(**result)
+
+    if content_changed and pending_path and os.path.isdir(os.path.dirname(pending_path)):
+        try:
+            atomic_write(pending_path, f"{uname}: unit or env changed; restart pending\n", 0o600, root_uid, None)
+        except OSError as exc:
+            module.fail_json(msg=f"instance {name}: cannot write {pending_path}: {exc}", **result)
 
     for path, text, mode, uid, fgid in files:
         directory = os.path.dirname(path)

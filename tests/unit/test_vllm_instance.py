@@ -84,6 +84,9 @@ def test_first_run_writes_then_second_run_is_unchanged(env, monkeypatch):
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT=\"5600\"" in env_file(env).read_text()
     # no temp files left behind
     assert sorted(p.name for p in (env["tmp"] / "units").iterdir()) == ["vllm-prefill-0.service"]
+    assert sorted(p.name for p in (env["tmp"] / "etc-vllm").iterdir()) == [".prefill-0.restart-pending",
+                                                                           "prefill-0.env"]
+    Path(res["pending_path"]).unlink()  # what the role does once the instance runs this config
     res2, failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert not failed
     assert not res2["changed"] and not res2["restart_required"] and not res2["created"]
@@ -142,7 +145,8 @@ def test_check_mode_writes_nothing_and_reports_diff(env, monkeypatch):
 
 
 def test_restart_required_semantics(env, monkeypatch):
-    run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    Path(res["pending_path"]).unlink()
     # permission drift: changed, but the running process config is the same -> no restart
     os.chmod(env_file(env), 0o644)
     res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
@@ -153,6 +157,7 @@ def test_restart_required_semantics(env, monkeypatch):
     args["instance"] = dict(args["instance"], extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
     res, _ = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["changed"] and res["restart_required"]
+    Path(res["pending_path"]).unlink()
     assert [d["after_header"] for d in res["diff"]] == [str(env_file(env))]
     assert "+VLLM_CPU_OMP_THREADS_BIND" not in res["diff"][0]["before"]
     # flag change -> restart, unit diff shows old and new
@@ -161,6 +166,19 @@ def test_restart_required_semantics(env, monkeypatch):
     assert res["restart_required"]
     d = next(d for d in res["diff"] if d["after_header"] == str(unit_file(env)))
     assert "--max-num-seqs" not in d["before"] and "--max-num-seqs 8" in d["after"]
+
+
+def test_restart_owed_by_a_failed_run_survives(env, monkeypatch):
+    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    marker = Path(res["pending_path"])
+    assert marker.parent == env["tmp"] / "etc-vllm" and marker.exists()
+    # the play died before the restart: the next run, with nothing to write, still owes the restart
+    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not res["changed"] and res["restart_required"]
+    # the role removes the marker once the instance runs the new config
+    marker.unlink()
+    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not res["changed"] and not res["restart_required"]
 
 
 def test_bad_input_fails_before_writing(env, monkeypatch):
