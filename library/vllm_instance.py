@@ -176,6 +176,7 @@ import tempfile  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 from ansible.module_utils.pd_recipe import (  # noqa: E402
+    API_SERVER_MODULE,
     RecipeError,
     build_argv,
     build_env,
@@ -189,43 +190,54 @@ RESULT_MARKER = "PD_VLLM_ARGCHECK "
 
 # Runs inside the vLLM venv: builds the api_server's parser exactly as vLLM does and parses argv (stdin, JSON).
 ARGCHECK_SCRIPT = r"""
-import contextlib, io, json, sys
+import contextlib, importlib, importlib.util, io, json, sys
 MARK = "PD_VLLM_ARGCHECK "
 def emit(d):
     sys.stdout.write("\n" + MARK + json.dumps(d) + "\n")
     sys.stdout.flush()
-argv = json.loads(sys.stdin.read())
+req = json.loads(sys.stdin.read())
+argvs, entry = req["argvs"], req["entrypoint"]
+def first(mods, attr):
+    errs = []
+    for m in mods:
+        try:
+            return getattr(importlib.import_module(m), attr), m
+        except (ImportError, AttributeError) as e:
+            errs.append("%s.%s: %s" % (m, attr, e))
+    raise ImportError("; ".join(errs))
 try:
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:
-        from vllm.utils import FlexibleArgumentParser
-    from vllm.entrypoints.openai import cli_args
+    # vLLM moved these between releases; the api_server builds its parser the same way in each.
+    FlexibleArgumentParser, _ = first(["vllm.utils.argparse_utils", "vllm.utils"], "FlexibleArgumentParser")
+    make_arg_parser, cli_mod = first(
+        ["vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"], "make_arg_parser")
+    check = getattr(importlib.import_module(cli_mod), "validate_parsed_serve_args", None)
     try:
         from vllm import __version__ as version
     except ImportError:
         version = "unknown"
+    if importlib.util.find_spec(entry) is None:
+        raise ImportError("the unit's entry point module %s does not exist in this vLLM" % entry)
 except Exception as e:
     emit({"ok": False, "stage": "import", "error": "%s: %s" % (type(e).__name__, e)})
     sys.exit(0)
-parser = cli_args.make_arg_parser(FlexibleArgumentParser(prog="vllm.entrypoints.openai.api_server"))
-err = io.StringIO()
-stage = "parse"
-try:
-    with contextlib.redirect_stderr(err):
-        args = parser.parse_args(argv)
-        stage = "validate"
-        check = getattr(cli_args, "validate_parsed_serve_args", None)
-        if check is not None:
-            check(args)
-except SystemExit:
-    lines = [l for l in err.getvalue().splitlines() if l.strip()]
-    msg = [l for l in lines if "error:" in l] or lines[-1:] or ["argument parser exited"]
-    emit({"ok": False, "stage": stage, "error": msg[-1].split("error:", 1)[-1].strip(), "version": version})
-except Exception as e:
-    emit({"ok": False, "stage": stage, "error": "%s: %s" % (type(e).__name__, e), "version": version})
-else:
-    emit({"ok": True, "version": version})
+def one(argv):
+    parser = make_arg_parser(FlexibleArgumentParser(prog=entry))
+    err = io.StringIO()
+    stage = "parse"
+    try:
+        with contextlib.redirect_stderr(err):
+            args = parser.parse_args(argv)
+            stage = "validate"
+            if check is not None:
+                check(args)
+    except SystemExit:
+        lines = [l for l in err.getvalue().splitlines() if l.strip()]
+        msg = [l for l in lines if "error:" in l] or lines[-1:] or ["argument parser exited"]
+        return {"ok": False, "stage": stage, "error": msg[-1].split("error:", 1)[-1].strip(), "version": version}
+    except Exception as e:
+        return {"ok": False, "stage": stage, "error": "%s: %s" % (type(e).__name__, e), "version": version}
+    return {"ok": True, "version": version, "parser": cli_mod}
+emit({"ok": True, "results": [one(a) for a in argvs]})
 """
 
 
@@ -236,6 +248,28 @@ def parse_argcheck_output(stdout):
     return None
 
 
+def run_argcheck(module, python, argvs, timeout=300):
+    """Parse each argv with the vLLM parser of `python`, in one process. Returns (results, None) or (None, error)."""
+    cmd = [python, "-c", ARGCHECK_SCRIPT]
+    timeout_bin = module.get_bin_path("timeout")
+    if timeout_bin and timeout:
+        cmd = [timeout_bin, str(timeout), *cmd]
+    rc, out, err = module.run_command(
+        cmd,
+        data=json.dumps({"argvs": argvs, "entrypoint": API_SERVER_MODULE}),
+        binary_data=True,
+        environ_update={"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"},
+    )
+    result = parse_argcheck_output(out or "")
+    if result is None:
+        if rc == 124:
+            err = f"timed out after {timeout} s (raise validate_timeout)"
+        return None, {"stage": "run", "error": f"rc={rc}: {(err or out or '').strip()[-2000:]}"}
+    if not result.get("ok"):
+        return None, result
+    return result["results"], None
+
+
 def validate_with_vllm(module, python, argv, name, timeout=300):
     """Returns (validated, version). Fails the module when vLLM's parser rejects argv."""
     if not os.path.exists(python):
@@ -244,25 +278,14 @@ def validate_with_vllm(module, python, argv, name, timeout=300):
             "with vLLM's argument parser"
         )
         return False, None
-    cmd = [python, "-c", ARGCHECK_SCRIPT]
-    timeout_bin = module.get_bin_path("timeout")
-    if timeout_bin and timeout:
-        cmd = [timeout_bin, str(timeout), *cmd]
-    rc, out, err = module.run_command(
-        cmd,
-        data=json.dumps(argv),
-        binary_data=True,
-        environ_update={"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"},
-    )
-    result = parse_argcheck_output(out or "")
-    if result is None:
-        if rc == 124:
-            err = f"timed out after {timeout} s (raise validate_timeout)"
+    results, problem = run_argcheck(module, python, [argv], timeout)
+    if problem and problem.get("stage") == "run":
         module.fail_json(
-            msg=f"instance {name}: could not run vLLM's argument parser with {python} (rc={rc}): "
-            f"{(err or out or '').strip()[-2000:]}. Fix the vLLM venv (role vllm_install); nothing was written.",
+            msg=f"instance {name}: could not run vLLM's argument parser with {python} ({problem['error']}). "
+            "Fix the vLLM venv (role vllm_install); nothing was written.",
             argv=argv,
         )
+    result = problem or results[0]
     if result.get("ok"):
         return True, result.get("version")
     if result.get("stage") == "import":

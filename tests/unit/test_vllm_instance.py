@@ -23,15 +23,18 @@ GROUP = grp.getgrgid(os.getgid()).gr_name
 
 def ok_parser(calls):
     def fake(self, args, data=None, **kw):
-        calls.append({"args": args, "argv": json.loads(data)})
-        return 0, 'INFO noise\nPD_VLLM_ARGCHECK {"ok": true, "version": "0.32.0"}\n', ""
+        req = json.loads(data)
+        calls.append({"args": args, "argv": req["argvs"][0], **req})
+        res = {"ok": True, "results": [{"ok": True, "version": "0.32.0"} for _ in req["argvs"]]}
+        return 0, "INFO noise\nPD_VLLM_ARGCHECK " + json.dumps(res) + "\n", ""
     return fake
 
 
 def rejecting_parser(error, stage="parse"):
     def fake(self, args, data=None, **kw):
-        out = "PD_VLLM_ARGCHECK " + json.dumps({"ok": False, "stage": stage, "error": error, "version": "0.32.0"})
-        return 0, out + "\n", ""
+        bad = {"ok": False, "stage": stage, "error": error, "version": "0.32.0"}
+        res = bad if stage == "import" else {"ok": True, "results": [bad]}
+        return 0, "PD_VLLM_ARGCHECK " + json.dumps(res) + "\n", ""
     return fake
 
 
@@ -223,64 +226,63 @@ def real_env(env):
     return env
 
 
-@pytest.mark.parametrize(("host", "idx"), [("pd-prefill-0", 0), ("pd-prefill-0", 1), ("pd-decode-0", 0)])
-def test_real_parser_accepts_local_inventory(real_env, monkeypatch, host, idx):
-    inv = load_inventory("local")
-    hv = inv["hosts"][host]
-    args = dict(real_env["args"], instance=hv["pd_instances"][idx], host_address=hv["ansible_host"])
-    res, failed = run_module(vllm_instance.main, args, run_command=real_run_command, monkeypatch=monkeypatch)
-    assert not failed, res.get("msg")
-    assert res["flags_validated"] is True and res["vllm_version"]
-
-
-def test_real_parser_rejects_typo_flag(real_env, monkeypatch):
+def test_real_parser_rejects_typo_flag_end_to_end(real_env, monkeypatch):
     args = dict(real_env["args"])
     args["instance"] = dict(args["instance"], extra_flags={"max-num-seqz": 4})
     res, failed = run_module(vllm_instance.main, args, run_command=real_run_command, monkeypatch=monkeypatch)
     assert failed, res
-    assert "--max-num-seqz" in res["msg"]
-    assert not unit_file(real_env).exists()
+    assert "--max-num-seqz" in res["msg"] and "rejects the flags" in res["msg"]
+    assert not unit_file(real_env).exists() and not env_file(real_env).exists()
 
 
-@pytest.mark.parametrize("flag", ["speculative-config", "compilation-config"])
-def test_real_parser_rejects_bad_json(real_env, monkeypatch, flag):
-    args = dict(real_env["args"])
-    args["instance"] = dict(args["instance"], extra_flags={flag: "{method: mtp"})
-    res, failed = run_module(vllm_instance.main, args, run_command=real_run_command, monkeypatch=monkeypatch)
-    assert failed, res
-    assert f"--{flag}" in res["msg"]
-    assert not unit_file(real_env).exists()
-
-
-def test_real_parser_rejects_bad_kv_transfer_json(real_env, monkeypatch):
-    # kv-transfer-config is rendered from a dict, so bad JSON can only come from the raw argv: call the gate directly.
-    argv = vllm_instance_argv(real_env) + ["--kv-transfer-config", "{kv_connector: Nixl"]
-    module = _FakeModule()
-    with pytest.raises(_Fail) as e:
-        vllm_instance.validate_with_vllm(module, str(VLLM_VENV_PY), argv, "prefill-0")
-    assert "--kv-transfer-config" in str(e.value)
-
-
-def vllm_instance_argv(env):
-    import pd_recipe
-    argv = pd_recipe.build_argv(env["args"]["recipe"], env["args"]["instance"])
-    i = argv.index("--kv-transfer-config")
-    return argv[:i] + argv[i + 2:]
-
-
-class _Fail(Exception):
-    pass
-
-
-class _FakeModule:
-    def warn(self, msg):
-        raise AssertionError(msg)
+class _Module:
+    """Just what run_argcheck needs, with the real subprocess."""
 
     def get_bin_path(self, name):
         return None
 
-    def run_command(self, args, data=None, environ_update=None, **kw):
-        return real_run_command(self, args, data=data, environ_update=environ_update)
+    run_command = real_run_command
 
-    def fail_json(self, msg, **kw):
-        raise _Fail(msg)
+
+def _local_argvs():
+    import pd_recipe
+    inv = load_inventory("local")
+    return {i["name"]: pd_recipe.build_argv(inv["recipe"], i)
+            for hv in inv["hosts"].values() for i in hv["pd_instances"]}
+
+
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """One vLLM process parses every case (importing vLLM takes ~15 s of CPU, a minute on a busy machine)."""
+    _need_venv()
+    local = _local_argvs()
+    base = local["prefill-0"]
+    cases = {f"local:{k}": v for k, v in local.items()}
+    cases["typo"] = [*base, "--max-num-seqz", "4"]
+    cases["bad-json:speculative-config"] = [*base, "--speculative-config", "{method: mtp"]
+    cases["bad-json:compilation-config"] = [*base, "--compilation-config", '{"cudagraph_mode": FULL}']
+    cases["bad-json:kv-transfer-config"] = [*_without(base, "--kv-transfer-config"),
+                                            "--kv-transfer-config", "{kv_connector: Nixl"]
+    results, problem = vllm_instance.run_argcheck(_Module(), str(VLLM_VENV_PY), list(cases.values()), timeout=900)
+    assert problem is None, problem
+    return dict(zip(cases, results, strict=True))
+
+
+@pytest.mark.parametrize("name", ["prefill-0", "prefill-1", "decode-0"])
+def test_real_parser_accepts_every_local_instance(batch, name):
+    assert batch[f"local:{name}"]["ok"], batch[f"local:{name}"]
+
+
+def test_real_parser_rejects_typo(batch):
+    assert not batch["typo"]["ok"] and "--max-num-seqz" in batch["typo"]["error"]
+
+
+@pytest.mark.parametrize("flag", ["speculative-config", "compilation-config", "kv-transfer-config"])
+def test_real_parser_rejects_bad_json(batch, flag):
+    r = batch[f"bad-json:{flag}"]
+    assert not r["ok"] and f"--{flag}" in r["error"], r
