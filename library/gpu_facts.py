@@ -31,6 +31,12 @@ options:
     description: Name (looked up in E(PATH) and the sbin directories) or absolute path of C(nvidia-smi).
     type: str
     default: nvidia-smi
+  command_timeout:
+    description:
+      - Seconds each C(nvidia-smi) call may take (through C(timeout), when the host has it) before it counts as
+        failed; a GPU that fell off the bus can hang C(nvidia-smi).
+    type: int
+    default: 120
   expected_product:
     description: Substring every GPU's product name must contain (case-insensitive), e.g. C(NVIDIA B300).
     type: str
@@ -67,6 +73,20 @@ options:
     type: list
     elements: str
     default: []
+  instances:
+    description:
+      - The host's C(pd_instances) entries, as they are in the inventory. Every GPU of an instance with
+        C(ucx_net_devices) must reach one of those NICs through its own PCIe switch (C(nvidia-smi topo -m)
+        relation in O(nic_affinity_links)). GPU indices are nvidia-smi's (PCI bus order). Only C(name), C(gpus)
+        and C(ucx_net_devices) are read.
+    type: list
+    elements: dict
+    default: []
+  nic_affinity_links:
+    description: C(topo -m) relations that count as near (C(PIX), C(PXB)).
+    type: list
+    elements: str
+    default: [PIX, PXB]
   rdma_sysfs_dir:
     description: Directory listing the RDMA devices.
     type: path
@@ -125,7 +145,7 @@ problems:
 problem_details:
   description: The same problems as dicts with C(kind) (no_gpu, count, product, driver, persistence, mig,
     ecc_mode, ecc_errors, retired_pages, remapped_rows, repair_pending, unrepairable_memory, fabric, nvlink,
-    rdma, disk), C(gpu) and C(message).
+    rdma, nic_affinity, disk), C(gpu) and C(message).
   returned: always
   type: list
   elements: dict
@@ -163,6 +183,8 @@ gpu_facts:
       type: dict
 """
 
+import os  # noqa: E402
+
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402  (after the documentation, as in community.general)
 
 try:  # noqa: E402
@@ -179,7 +201,7 @@ def _first_line(text):
 
 
 def probe(module):
-    """Run the probes through module.run_command and return (facts dict, raw dict)."""
+    """Run the probes through module.run_command; return the facts dict that gf.check_gpus() reads."""
     p = module.params
     facts = {"smi": None, "nvlink": None, "topology": None, "smi_error": None, "nvlink_error": None,
              "rdma_dir": p["rdma_sysfs_dir"], "rdma": gf.read_rdma_devices(p["rdma_sysfs_dir"])}
@@ -187,32 +209,40 @@ def probe(module):
         return facts
     smi = p["nvidia_smi"]
     if "/" in smi:
-        import os
         path = smi if os.access(smi, os.X_OK) else None
     else:
         path = module.get_bin_path(smi, required=False)
     if not path:
-        facts["smi_error"] = "nvidia-smi not found"
+        facts["smi_error"] = "nvidia-smi not found" if smi == "nvidia-smi" else f"{smi} not found"
         return facts
-    rc, out, err = module.run_command([path, "-q", "-x"])
-    if rc != 0:
-        facts["smi_error"] = f"nvidia-smi -q -x failed (rc {rc}): {_first_line(err) or _first_line(out)}"
+    # A GPU that fell off the bus can hang nvidia-smi for good: bound every call with coreutils' timeout.
+    limit = p["command_timeout"]
+    timeout_bin = module.get_bin_path("timeout", required=False)
+    prefix = [timeout_bin, "-k", "10", str(limit)] if timeout_bin else []
+
+    def call(*args):
+        rc, out, err = module.run_command(prefix + [path, *args])
+        what = "nvidia-smi " + " ".join(args)
+        if prefix and rc in (124, 137):
+            return None, (f"{what} timed out after {limit} s (a GPU may have fallen off the bus: "
+                          "look for Xid 79 in dmesg)")
+        if rc != 0:
+            return None, f"{what} failed (rc {rc}): {_first_line(err) or _first_line(out)}"
+        return out, None
+
+    out, facts["smi_error"] = call("-q", "-x")
+    if out is None:
         return facts
     try:
         facts["smi"] = gf.parse_smi_xml(out)
     except Exception as e:  # ElementTree.ParseError and friends: report, do not crash
         facts["smi_error"] = f"cannot parse nvidia-smi -q -x output: {e}"
         return facts
-    rc, out, err = module.run_command([path, "nvlink", "-s"])
-    if rc == 0:
+    out, facts["nvlink_error"] = call("nvlink", "-s")
+    if out is not None:
         facts["nvlink"] = gf.parse_nvlink_status(out)
-    else:
-        facts["nvlink_error"] = f"nvidia-smi nvlink -s failed (rc {rc}): {_first_line(err) or _first_line(out)}"
-    rc, out, err = module.run_command([path, "topo", "-m"])
-    if rc == 0:
-        facts["topology"] = gf.parse_topo_matrix(out)
-    else:
-        facts["topology"] = {"error": f"nvidia-smi topo -m failed (rc {rc}): {_first_line(err) or _first_line(out)}"}
+    out, error = call("topo", "-m")
+    facts["topology"] = gf.parse_topo_matrix(out) if out is not None else {"error": error}
     return facts
 
 
@@ -222,6 +252,7 @@ def run_module():
             probe_gpu=dict(type="bool", default=True),
             gpu_skip_reason=dict(type="str", default="GPU checks not requested"),
             nvidia_smi=dict(type="str", default="nvidia-smi"),
+            command_timeout=dict(type="int", default=120),
             expected_product=dict(type="str", default=""),
             expected_count=dict(type="int", default=0),
             min_driver_version=dict(type="str", default=""),
@@ -230,6 +261,8 @@ def run_module():
             require_persistence=dict(type="bool", default=False),
             require_ecc=dict(type="bool", default=False),
             rdma_devices=dict(type="list", elements="str", default=[]),
+            instances=dict(type="list", elements="dict", default=[]),
+            nic_affinity_links=dict(type="list", elements="str", default=["PIX", "PXB"]),
             rdma_sysfs_dir=dict(type="path", default="/sys/class/infiniband"),
             disk_path=dict(type="path"),
             disk_min_free_bytes=dict(type="int", default=0),
@@ -244,7 +277,13 @@ def run_module():
         "require_persistence": p["require_persistence"], "require_ecc": p["require_ecc"],
         "rdma_devices": p["rdma_devices"],
     }
-    details = gf.check_gpus(facts, expect) if p["probe_gpu"] else gf.check_rdma(facts, expect)
+    if p["probe_gpu"]:
+        details = gf.check_gpus(facts, expect)
+        if facts["smi"] and facts["smi"]["gpus"]:
+            details += gf.check_nic_affinity(facts["topology"], gf.instance_nics(p["instances"]),
+                                             p["nic_affinity_links"])
+    else:
+        details = gf.check_rdma(facts, expect)
     disk = None
     if p["disk_path"]:
         try:

@@ -189,7 +189,8 @@ def parse_topo_matrix(text):
         row, values = cells[0], cells[1:]
         matrix[row] = {devices[i]: values[i] for i in range(min(len(devices), len(values)))}
         rest = values[len(devices):]
-        for name, value in zip(extra_cols, rest, strict=False):
+        for i, value in enumerate(rest[:len(extra_cols)]):  # no zip(strict=): hosts may run Python < 3.10
+            name = extra_cols[i]
             if name.lower().startswith("cpu affinity"):
                 cpu_aff[row] = value
             elif name.lower().startswith("numa affinity"):
@@ -398,3 +399,53 @@ def summarize(facts, disk=None):
         "rdma_devices": facts.get("rdma") or {},
         "disk": disk,
     }
+
+
+def check_nic_affinity(topology, instances, links=("PIX", "PXB")):
+    """Every GPU of an instance must reach one of the instance's UCX NICs through its own PCIe switch.
+
+    instances: [{"name", "gpus": [int], "nics": ["mlx5_0", ...]}]; `links` are the topo -m relations accepted
+    (PIX, PXB: same PCIe switch). A GPU whose listed NICs are all NODE/SYS away sends its KV blocks across the
+    CPU root complex or the socket interconnect. Skipped (no problem) when topo -m lists no NIC: the RDMA check
+    reports missing devices.
+    """
+    if not instances:
+        return []
+    if not topology or topology.get("error"):
+        return [_problem("nic_affinity", "cannot check GPU/NIC affinity: "
+                         + ((topology or {}).get("error") or "no nvidia-smi topo -m output"))]
+    if not topology.get("nic_names"):
+        return []
+    accepted = {str(x).upper() for x in links}
+    problems = []
+    for inst in instances:
+        nics = [str(n).partition(":")[0] for n in inst.get("nics") or []]
+        for gpu in inst.get("gpus") or []:
+            row = topology["gpu_nic"].get(f"GPU{gpu}")
+            if row is None:
+                problems.append(_problem("nic_affinity", f"instance {inst.get('name')}: GPU {gpu} is not in "
+                                         "nvidia-smi topo -m", gpu))
+                continue
+            if any(row.get(n, "").upper() in accepted for n in nics):
+                continue
+            near = sorted(n for n, link in row.items() if link.upper() in accepted)
+            seen = ", ".join(f"{n}: {row.get(n, 'not in topo')}" for n in nics)
+            problems.append(_problem(
+                "nic_affinity",
+                f"instance {inst.get('name')}: GPU {gpu} has none of its ucx_net_devices behind its PCIe switch "
+                f"({seen}); near it: {', '.join(near) or 'no NIC'}", gpu))
+    return problems
+
+
+def instance_nics(instances):
+    """pd_instances entries -> [{"name", "gpus", "nics"}] for those that set ucx_net_devices."""
+    out = []
+    for inst in instances or []:
+        devices = inst.get("ucx_net_devices")
+        if not devices:
+            continue
+        if isinstance(devices, str):
+            devices = devices.split(",")
+        out.append({"name": inst.get("name", "?"), "gpus": [int(g) for g in inst.get("gpus") or []],
+                    "nics": [str(d).strip().partition(":")[0] for d in devices if str(d).strip()]})
+    return out

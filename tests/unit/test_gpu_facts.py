@@ -266,18 +266,25 @@ def load_module():
     return mod
 
 
-def run_module(monkeypatch, capsys, args, outputs, smi_path="/usr/bin/nvidia-smi"):
+def run_module(monkeypatch, capsys, args, outputs, *, smi_path="/usr/bin/nvidia-smi", timeout_path="/usr/bin/timeout"):
+    """Run library/gpu_facts.py main() with run_command / get_bin_path faked; returns (result, nvidia-smi args)."""
     from ansible.module_utils import basic
     from ansible.module_utils.testing import patch_module_args
 
     calls = []
+    prefix = [timeout_path, "-k", "10", str(args.get("command_timeout", 120))] if timeout_path else []
 
     def fake_run(self, cmd, *a, **kw):
-        calls.append(cmd[1:])
-        return outputs[" ".join(cmd[1:])]
+        assert cmd[:len(prefix)] == prefix, cmd  # every nvidia-smi call is bounded by timeout(1)
+        assert cmd[len(prefix)] == smi_path
+        smi_args = cmd[len(prefix) + 1:]
+        calls.append(smi_args)
+        return outputs[" ".join(smi_args)]
 
+    bins = {"nvidia-smi": smi_path, "timeout": timeout_path}
     monkeypatch.setattr(basic.AnsibleModule, "run_command", fake_run)
-    monkeypatch.setattr(basic.AnsibleModule, "get_bin_path", lambda self, name, required=False, opt_dirs=None: smi_path)
+    monkeypatch.setattr(basic.AnsibleModule, "get_bin_path",
+                        lambda self, name, required=False, opt_dirs=None: bins[name])
     mod = load_module()
     with patch_module_args(args), pytest.raises(SystemExit):
         mod.main()
@@ -334,6 +341,26 @@ def test_module_driver_not_loaded(monkeypatch, capsys, tmp_path):
                                + err.strip() + ")"]
 
 
+def test_module_nvidia_smi_hangs(monkeypatch, capsys, tmp_path):
+    res, calls = run_module(monkeypatch, capsys, {"expected_count": 8, "command_timeout": 30,
+                                                  "rdma_sysfs_dir": str(tmp_path)}, {"-q -x": (124, "", "")})
+    assert calls == [["-q", "-x"]]
+    assert res["gpu_present"] is False
+    assert res["problems"] == ["expected 8 x NVIDIA GPU, found no NVIDIA GPU (nvidia-smi -q -x timed out after 30 s "
+                               "(a GPU may have fallen off the bus: look for Xid 79 in dmesg))"]
+
+
+def test_module_without_timeout_binary_still_probes(monkeypatch, capsys, tmp_path):
+    outputs = {"-q -x": (0, H200_XML, ""), "nvlink -s": (2, "", "nvlink: not supported\n"),
+               "topo -m": (0, H200_TOPO, "")}
+    res, calls = run_module(monkeypatch, capsys, {"expected_product": "NVIDIA H200", "expected_count": 1,
+                                                  "require_nvlink": True, "rdma_sysfs_dir": str(tmp_path)},
+                            outputs, timeout_path=None)
+    assert len(calls) == 3
+    assert res["problems"] == ["NVLink status unavailable (nvidia-smi nvlink -s failed (rc 2): nvlink: not supported)"]
+    assert res["gpu_facts"]["nvlink_error"].startswith("nvidia-smi nvlink -s failed (rc 2)")
+
+
 def test_module_probe_gpu_false_skips_with_reason(monkeypatch, capsys, tmp_path):
     args = {"probe_gpu": False, "gpu_skip_reason": "pd_accelerator is 'cpu'", "expected_count": 8,
             "rdma_sysfs_dir": str(tmp_path), "disk_path": str(tmp_path), "disk_min_free_bytes": 2 ** 62}
@@ -350,3 +377,50 @@ def test_constructed_b300_files_match_their_generator():
     assert gen.make_xml() == B300_XML
     assert gen.make_nvlink() == B300_NVLINK
     assert gen.make_topo() == B300_TOPO
+
+
+def inventory_instances(host):
+    import yaml
+
+    with open(os.path.join(ROOT, "inventory", "b300", "host_vars", host + ".yml")) as f:
+        return yaml.safe_load(f)["pd_instances"]
+
+
+@pytest.mark.parametrize("host", ["b300-01", "b300-02", "b300-03"])
+def test_b300_inventory_instances_are_rail_aligned_on_the_b300_sample(host):
+    topo = gf.parse_topo_matrix(B300_TOPO)
+    instances = gf.instance_nics(inventory_instances(host))
+    assert instances and all(i["nics"] for i in instances)
+    assert gf.check_nic_affinity(topo, instances) == []
+
+
+def test_nic_affinity_swapped_rails_named():
+    topo = gf.parse_topo_matrix(B300_TOPO)
+    inst = gf.instance_nics([{"name": "prefill-a", "gpus": [0, 1], "ucx_net_devices": "mlx5_4:1,mlx5_1:1"}])
+    assert inst == [{"name": "prefill-a", "gpus": [0, 1], "nics": ["mlx5_4", "mlx5_1"]}]
+    problems = gf.check_nic_affinity(topo, inst)
+    assert [(p["kind"], p["gpu"], p["message"]) for p in problems] == [
+        ("nic_affinity", 0, "instance prefill-a: GPU 0 has none of its ucx_net_devices behind its PCIe switch "
+                            "(mlx5_4: SYS, mlx5_1: NODE); near it: mlx5_0")]
+    # PXB (several bridges, same switch tree) counts as near by default, NODE only when asked for
+    assert gf.check_nic_affinity(topo, gf.instance_nics([{"name": "x", "gpus": [0], "ucx_net_devices": "mlx5_1:1"}]),
+                                 links=("PIX", "PXB", "NODE")) == []
+
+
+def test_nic_affinity_without_nics_or_topology():
+    inst = [{"name": "p", "gpus": [0], "nics": ["mlx5_0"]}]
+    assert gf.check_nic_affinity(gf.parse_topo_matrix(H200_TOPO), inst) == []  # no NIC at all: RDMA check reports
+    [p] = gf.check_nic_affinity({"error": "nvidia-smi topo -m failed (rc 3): x"}, inst)
+    assert p["message"] == "cannot check GPU/NIC affinity: nvidia-smi topo -m failed (rc 3): x"
+    assert gf.check_nic_affinity(None, []) == []
+    [p] = gf.check_nic_affinity(gf.parse_topo_matrix(B300_TOPO), [{"name": "p", "gpus": [9], "nics": ["mlx5_0"]}])
+    assert p["message"] == "instance p: GPU 9 is not in nvidia-smi topo -m"
+
+
+def test_module_checks_nic_affinity_of_instances(monkeypatch, capsys, tmp_path):
+    outputs = {"-q -x": (0, B300_XML, ""), "nvlink -s": (0, B300_NVLINK, ""), "topo -m": (0, B300_TOPO, "")}
+    instances = inventory_instances("b300-01")
+    instances[1]["ucx_net_devices"] = "mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1"  # prefill-b on GPUs 4-7: wrong rails
+    res, _ = run_module(monkeypatch, capsys, {"instances": instances, "rdma_sysfs_dir": str(tmp_path)}, outputs)
+    assert [(p["kind"], p["gpu"]) for p in res["problem_details"]] == [("nic_affinity", g) for g in (4, 5, 6, 7)]
+    assert res["problems"][0].startswith("instance prefill-b: GPU 4 has none of its ucx_net_devices")
