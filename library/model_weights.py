@@ -94,6 +94,9 @@ options:
         type: str
         required: true
         choices: [hf, http, path, peer]
+      revision:
+        description: The source's pinned revision as the inventory carries it; must equal O(revision) when set.
+        type: str
       repo_id:
         description: Hub repository (V(hf)).
         type: str
@@ -139,7 +142,7 @@ options:
     default: full
     choices: [full, size]
   workers:
-    description: Hashing threads; 0 means min(8, CPUs).
+    description: Hashing threads; 0 means min(16, CPUs).
     type: int
     default: 0
   download_workers:
@@ -308,6 +311,8 @@ class ModelWeights:
         if self.keep < 1:
             raise WeightsError(f"keep must be >= 1 (got {self.keep})")
         t = src["type"]
+        if src.get("revision") and src["revision"] != self.revision:
+            raise WeightsError(f"source.revision {src['revision']} differs from revision {self.revision}")
         if t == "hf":
             if not src.get("repo_id"):
                 raise WeightsError("source.repo_id is required for source.type=hf")
@@ -651,6 +656,7 @@ def main():
                 required=True,
                 options=dict(
                     type=dict(type="str", required=True, choices=["hf", "http", "path", "peer"]),
+                    revision=dict(type="str"),
                     repo_id=dict(type="str"),
                     endpoint=dict(type="str", default="https://huggingface.co"),
                     url=dict(type="str"),

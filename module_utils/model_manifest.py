@@ -39,7 +39,8 @@ class ManifestError(Exception):
 
 
 def default_workers():
-    return max(1, min(8, os.cpu_count() or 1))
+    """Hashing threads: one per CPU up to 16 (sha256 runs ~1-2 GB/s per core with SHA extensions)."""
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------- hashing
@@ -52,6 +53,8 @@ def hash_file(path, bufsize=DEFAULT_BUFSIZE, algo="sha256"):
     buf = bytearray(bufsize)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger kernel readahead
         while True:
             n = f.readinto(buf)
             if not n:

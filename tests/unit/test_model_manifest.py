@@ -237,3 +237,36 @@ def test_rsync_failure_is_reported():
                         "/r", host="10.0.0.11")
     with pytest.raises(mm.ManifestError, match="rsync of a.bin from 10.0.0.11:/r failed .*No route to host"):
         f.fetch({"path": "a.bin", "size": 1}, "/nonexistent.part")
+
+
+# ------------------------------------------------------------------ bench/verify_throughput.py
+
+
+def test_bench_small_dataset_reports_and_detects_corruption(tmp_path):
+    bench = ROOT / "bench" / "verify_throughput.py"
+    d = tmp_path / "ds"
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(bench), "--size", "8M", "--files", "4", "--dir", str(d), "--workers", "2",
+                        "--bufsize-mib", "1", "--cache-drop", "fadvise", "--json-out", str(out)],
+                       capture_output=True, text=True, check=False)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["dataset"]["bytes"] == 8 * 1024 * 1024 and r["dataset"]["created"] is True
+    assert r["verifier"]["all_ok"] is True
+    assert r["verifier"]["GBps"] > 0 and r["disk_read_1_stream"]["GBps"] > 0
+    assert r["ratio_verifier_to_disk"] == round(
+        r["verifier"]["GBps"] / max(r["disk_read_1_stream"]["GBps"], r["disk_read_parallel"]["GBps"]), 3)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["revision"] == mm.content_revision(m["files"])
+    assert mm.build_manifest(d)["files"] == m["files"]  # the on-the-fly hashes are the real ones
+    # reuse the dataset, with one shard corrupted: the verifier must say so and the bench must fail
+    shard = d / m["files"][0]["path"]
+    with open(shard, "r+b") as f:
+        f.write(b"\0" * 16)
+    p = subprocess.run([sys.executable, str(bench), "--size", "8M", "--files", "4", "--dir", str(d),
+                        "--bufsize-mib", "1", "--cache-drop", "fadvise", "--json-out", str(out)],
+                       capture_output=True, text=True, check=False)
+    r = json.loads(out.read_text())
+    assert p.returncode == 1
+    assert r["dataset"]["created"] is False
+    assert r["verifier"]["bad"] == {m["files"][0]["path"]: "checksum_mismatch"}

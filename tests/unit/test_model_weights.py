@@ -591,3 +591,71 @@ def test_ansible_adhoc_run_and_idempotence(tmp_path, src):
     assert r1["changed"] is True and r1["summary"] == {"fetched": 4}
     r2 = once()
     assert r2["changed"] is False and r2["summary"] == {"ok": 4}
+
+
+# ------------------------------------------------------------------ the role, through ansible-playbook
+
+
+def _playbook(tmp: Path, extra_vars: dict, check=False):
+    pb = tmp / "site.yml"
+    pb.write_text("- name: Model weights\n  hosts: all\n  gather_facts: false\n  roles:\n    - role: model_weights\n")
+    (tmp / "vars.json").write_text(json.dumps(extra_vars))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FACT_CACHING="memory")
+    cmd = [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+           "-e", "ansible_python_interpreter=" + shutil.which("python3"), "-e", f"@{tmp / 'vars.json'}", str(pb)]
+    if check:
+        cmd += ["--check", "--diff"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    m = re.search(r"localhost\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", p.stdout)
+    assert m, p.stdout[-3000:] + p.stderr[-3000:]
+    return p, int(m.group(2)), int(m.group(4))
+
+
+@pytest.fixture
+def world_readable_tmp():
+    # /tmp/pytest-of-root is 0700: the role's "vLLM user can read the model" check needs readable parents.
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="model-weights-role-", dir="/var/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_role_local_path_source_idempotent_and_check_mode(world_readable_tmp):
+    tmp = world_readable_tmp
+    m = make_model(tmp / "src")
+    for p in [tmp / "src", *[x for x in (tmp / "src").rglob("*")]]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    v = {"pd_model_root": str(tmp / "models"), "pd_model_path": str(tmp / "models" / "tiny-pd"),
+         "pd_model_source": {"type": "path", "path": str(tmp / "src"), "revision": m["revision"]},
+         "pd_vllm_user": "nobody", "model_weights_space_margin_mib": 0, "model_weights_async_poll": 1}
+    p, changed, failed = _playbook(tmp, v, check=True)
+    assert failed == 0, p.stdout[-3000:]
+    assert not (tmp / "models" / "revisions" / m["revision"]).exists()  # check mode fetched nothing
+    p, changed, failed = _playbook(tmp, v)
+    assert failed == 0 and changed >= 1, p.stdout[-3000:]
+    assert os.readlink(tmp / "models" / "tiny-pd") == f"revisions/{m['revision']}"
+    assert '{"fetched": 4}' in re.sub(r"\s+", " ", p.stdout)  # the role's summary line
+    p, changed, failed = _playbook(tmp, v)
+    assert (changed, failed) == (0, 0), p.stdout[-3000:]
+    p, changed, failed = _playbook(tmp, v, check=True)
+    assert (changed, failed) == (0, 0), p.stdout[-3000:]
+
+
+def test_role_refuses_placeholder_hf_revision(world_readable_tmp):
+    tmp = world_readable_tmp
+    v = {"pd_model_root": str(tmp / "models"), "pd_model_path": str(tmp / "models" / "glm"),
+         "pd_model_source": {"type": "hf", "repo_id": "org/GLM-5.2-NVFP4", "revision": "SET-ME-40-HEX-COMMIT"}}
+    p, changed, failed = _playbook(tmp, v)
+    assert failed == 1
+    assert "must be the full 40-hex commit of org/GLM-5.2-NVFP4" in p.stdout
+    assert not (tmp / "models").exists()
+
+
+def test_source_revision_must_equal_revision(tmp_path, src, monkeypatch):
+    d, m = src
+    res, failed = run(args_for(tmp_path, {"type": "path", "path": str(d), "revision": "0" * 64}, m["revision"]),
+                      monkeypatch)
+    assert failed and f"source.revision {'0' * 64} differs from revision {m['revision']}" in res["msg"]
+    assert not (tmp_path / "root").exists()
