@@ -244,9 +244,9 @@ class _Module:
     run_command = real_run_command
 
 
-def _local_argvs():
+def _argvs(inventory):
     import pd_recipe
-    inv = load_inventory("local")
+    inv = load_inventory(inventory)
     return {i["name"]: pd_recipe.build_argv(inv["recipe"], i)
             for hv in inv["hosts"].values() for i in hv["pd_instances"]}
 
@@ -260,9 +260,11 @@ def _without(argv, flag):
 def batch():
     """One vLLM process parses every case (importing vLLM takes ~15 s of CPU, a minute on a busy machine)."""
     _need_venv()
-    local = _local_argvs()
+    local = _argvs("local")
     base = local["prefill-0"]
     cases = {f"local:{k}": v for k, v in local.items()}
+    # b300's GPU flags too: the CUDA build of the same release shares this parser.
+    cases.update({f"b300:{k}": v for k, v in _argvs("b300").items()})
     cases["typo"] = [*base, "--max-num-seqz", "4"]
     cases["bad-json:speculative-config"] = [*base, "--speculative-config", "{method: mtp"]
     cases["bad-json:compilation-config"] = [*base, "--compilation-config", '{"cudagraph_mode": FULL}']
@@ -276,6 +278,11 @@ def batch():
 @pytest.mark.parametrize("name", ["prefill-0", "prefill-1", "decode-0"])
 def test_real_parser_accepts_every_local_instance(batch, name):
     assert batch[f"local:{name}"]["ok"], batch[f"local:{name}"]
+
+
+@pytest.mark.parametrize("name", ["prefill-a", "prefill-b", "prefill-c", "prefill-d", "decode-a"])
+def test_real_parser_accepts_every_b300_instance(batch, name):
+    assert batch[f"b300:{name}"]["ok"], batch[f"b300:{name}"]
 
 
 def test_real_parser_rejects_typo(batch):
