@@ -1,0 +1,345 @@
+"""roles/observability + roles/node_exporter: scrape targets from the topology, the vLLM RSS collector, the
+dashboard's metric names, role conventions, and the SLA queries documented for pd_verify.
+
+Rendering helpers come from test_prometheus_rules.py (same jinja2 rendering as Ansible's template module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_prometheus_rules import (
+    PROMTOOL,
+    ROOT,
+    load_inventory_full,
+    needs_promtool,
+    promtool,
+    records_of,
+    render_role,
+    role_vars,
+    write_promtool_test,
+)
+
+COLLECTOR = ROOT / "roles" / "node_exporter" / "files" / "pd-vllm-rss-textfile.py"
+DASHBOARD = ROOT / "roles" / "observability" / "files" / "dashboards" / "b300-pd.json"
+FIXTURES = ROOT / "tests" / "fixtures" / "metrics"
+DOC = ROOT / "docs" / "observability.md"
+INVENTORIES = ("local", "b300")
+
+
+# ---------------------------------------------------------------- scrape config from the topology
+
+
+def _static(cfg: dict, job: str) -> list[tuple[str, dict]]:
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    if job not in jobs:
+        return []
+    return [(t, sc.get("labels", {})) for sc in jobs[job]["static_configs"] for t in sc["targets"]]
+
+
+@pytest.mark.parametrize("inv", INVENTORIES)
+def test_scrape_targets_are_the_topology(tmp_path, inv):
+    cfg = yaml.safe_load(render_role(inv, tmp_path)["prometheus.yml"].read_text())
+    data = load_inventory_full(inv)
+    hv, groups = data["hostvars"], data["groups"]
+
+    want_vllm = sorted(
+        (f"{hv[h]['ansible_host']}:{i['http_port']}", i["pool"], i["name"], h)
+        for h in groups["vllm_hosts"] for i in hv[h].get("pd_instances", [])
+    )
+    got_vllm = sorted((t, lab["pool"], lab["instance_name"], lab["host"]) for t, lab in _static(cfg, "vllm"))
+    assert got_vllm == want_vllm
+    assert len(want_vllm) == sum(len(hv[h].get("pd_instances", [])) for h in groups["vllm_hosts"]) > 0
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert jobs["vllm"]["metrics_path"] == "/metrics"
+
+    router_port = hv[groups["router_hosts"][0]]["pd_router_metrics_port"]
+    assert sorted(t for t, _ in _static(cfg, "pd-router")) == sorted(
+        f"{hv[h]['ansible_host']}:{router_port}" for h in groups["router_hosts"])
+
+    node = dict(_static(cfg, "node"))
+    node_hosts = list(dict.fromkeys(groups["vllm_hosts"] + groups["router_hosts"]))
+    assert sorted(node) == sorted(f"{hv[h]['ansible_host']}:9100" for h in node_hosts)
+    for h in node_hosts:
+        lab = node[f"{hv[h]['ansible_host']}:9100"]
+        assert lab["host"] == h
+        assert lab["vllm_host"] == ("true" if hv[h].get("pd_instances") else "false")
+
+    dcgm = _static(cfg, "dcgm")
+    if data["all_vars"]["pd_accelerator"] == "nvidia":
+        assert sorted(t for t, _ in dcgm) == sorted(f"{hv[h]['ansible_host']}:9400" for h in groups["vllm_hosts"])
+    else:
+        assert dcgm == []
+    assert cfg["rule_files"] == [str(tmp_path / "pd-*.yml")]
+
+
+def test_pd_router_metrics_port_is_read_from_the_inventory(tmp_path):
+    cfg = yaml.safe_load(render_role("local", tmp_path, overrides={"observability_router_metrics_port": 29123})[
+        "prometheus.yml"].read_text())
+    assert [t for t, _ in _static(cfg, "pd-router")] == ["10.237.0.13:29123"]
+
+
+def test_prometheus_url_points_at_the_monitoring_host():
+    for inv in INVENTORIES:
+        data = load_inventory_full(inv)
+        mon = data["groups"]["monitoring_hosts"][0]
+        assert role_vars(inv)["observability_prometheus_url"] == f"http://{data['hostvars'][mon]['ansible_host']}:9090"
+
+
+# ---------------------------------------------------------------- vLLM process RSS collector
+
+
+def _proc(root: Path, pid: int, unit: str | None, cmdline: list[str], comm: str, rss_kb: int | None,  # noqa: PLR0917
+          start_ticks: int) -> None:
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    cg = f"0::/system.slice/{unit}\n" if unit else "0::/user.slice/user-0.slice/session-1.scope\n"
+    (d / "cgroup").write_text(cg)
+    (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in cmdline) + b"\0")
+    (d / "comm").write_text(comm + "\n")
+    status = f"Name:\t{comm}\nState:\tS (sleeping)\n"
+    if rss_kb is not None:
+        status += f"VmRSS:\t{rss_kb:>8} kB\n"
+    (d / "status").write_text(status)
+    fields = ["S", "1", str(pid), str(pid)] + ["0"] * 15 + [str(start_ticks)] + ["0"] * 20
+    (d / "stat").write_text(f"{pid} ({comm}) " + " ".join(fields) + "\n")
+
+
+def _parse_prom(text: str) -> dict[tuple, float]:
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)", line)
+        assert m, f"bad exposition line: {line!r}"
+        labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(3) or "")))
+        out[(m.group(1), labels)] = float(m.group(4))
+    return out
+
+
+def test_rss_collector_groups_processes_by_unit_and_role(tmp_path):
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "stat").write_text("cpu  1 2 3\nbtime 1700000000\nprocesses 5\n")
+    (proc / "self").mkdir()  # non-numeric entries are skipped
+    api = ["/opt/vllm/current/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8100"]
+    _proc(proc, 100, "vllm-prefill-0.service", api, "python", 600_000, 1000)
+    _proc(proc, 101, "vllm-prefill-0.service", ["VLLM::EngineCore_DP0" + " " * 40], "VLLM::EngineCor", 700_000, 3000)
+    _proc(proc, 102, "vllm-prefill-0.service", ["VLLM::EngineCore_DP1"], "VLLM::EngineCor", 710_000, 3100)
+    _proc(proc, 103, "vllm-prefill-0.service", ["/opt/vllm/current/bin/python", "-c", "from multiprocessing"],
+          "python3", 10_000, 2000)
+    _proc(proc, 104, "vllm-prefill-0.service", ["/opt/vllm/current/bin/python", "-c", "from multiprocessing"],
+          "python3", 12_000, 2500)
+    _proc(proc, 105, "vllm-prefill-0.service", [], "kworker", None, 10)  # no VmRSS (kernel thread / zombie)
+    _proc(proc, 200, "vllm-prefill-1.service", ["/opt/vllm/current/bin/vllm", "serve", "/m"], "vllm", 500_000, 10)
+    _proc(proc, 300, "vllm-router.service", ["/opt/router/bin/vllm-router"], "vllm::router", 50_000, 10)
+    _proc(proc, 301, "vllm-prefill-00.service", api, "python", 1, 10)  # a different unit with a similar name
+    _proc(proc, 400, None, api, "python", 999_999, 10)  # a vLLM started by hand outside systemd: not counted
+    out = tmp_path / "tf" / "pd_vllm_rss.prom"
+    out.parent.mkdir()
+    r = subprocess.run([sys.executable, str(COLLECTOR), "--proc", str(proc), "--output", str(out),
+                        "prefill-0", "prefill-1", "decode-9"], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    m = _parse_prom(out.read_text())
+
+    def key(name, inst, **extra):
+        lab = {"instance_name": inst, "unit": f"vllm-{inst}.service", **extra}
+        return (name, tuple(sorted(lab.items())))
+
+    rss = "pd_vllm_process_resident_memory_bytes"
+    assert m[key(rss, "prefill-0", process="api_server")] == 600_000 * 1024
+    assert m[key(rss, "prefill-0", process="EngineCore_DP0")] == 700_000 * 1024
+    assert m[key(rss, "prefill-0", process="EngineCore_DP1")] == 710_000 * 1024
+    assert m[key(rss, "prefill-0", process="python3")] == 22_000 * 1024
+    assert m[key("pd_vllm_processes", "prefill-0", process="python3")] == 2
+    assert m[key(rss, "prefill-1", process="api_server")] == 500_000 * 1024  # `vllm serve` entry point
+    assert m[key("pd_vllm_instance_processes", "prefill-0")] == 5
+    assert m[key("pd_vllm_instance_processes", "prefill-1")] == 1
+    assert m[key("pd_vllm_instance_processes", "decode-9")] == 0  # unit not running: explicit 0
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert m[key("pd_vllm_process_start_time_seconds", "prefill-0", process="python3")] == pytest.approx(
+        1700000000 + 2500 / ticks, abs=0.01)  # the youngest of the role
+    # nothing from the router unit, the look-alike unit or the process outside systemd
+    assert not [k for k in m if any(v in ("router", "prefill-00") for _, v in k[1])]
+    assert sum(v for (n, _), v in m.items() if n == rss) == (600_000 + 700_000 + 710_000 + 22_000 + 500_000) * 1024
+    assert m[("pd_vllm_rss_collector_last_run_timestamp_seconds", ())] > 1.7e9
+    assert not list(out.parent.glob(".pd_vllm_rss.*"))  # the temporary file was renamed, not left behind
+    if Path(PROMTOOL).exists():
+        lint = subprocess.run([PROMTOOL, "check", "metrics"], input=out.read_text(), capture_output=True,
+                              text=True, check=False)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_rss_collector_runs_on_the_real_procfs(tmp_path):
+    out = tmp_path / "x.prom"
+    r = subprocess.run([sys.executable, str(COLLECTOR), "--output", str(out), "no-such-instance"],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    m = _parse_prom(out.read_text())
+    key = ("pd_vllm_instance_processes", (("instance_name", "no-such-instance"),
+                                          ("unit", "vllm-no-such-instance.service")))
+    assert m[key] == 0
+
+
+def test_rss_collector_rejects_bad_names(tmp_path):
+    r = subprocess.run([sys.executable, str(COLLECTOR), "--output", str(tmp_path / "x"), "ok", "bad name/.."],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 2
+    assert "bad name/.." in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- metric names: rules, dashboard, fixtures
+
+PROMQL_WORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset",
+    "inf", "nan", "le",
+}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects (functions, keywords, label names and strings removed)."""
+    e = re.sub(r'"(?:\\.|[^"\\])*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}", " ", e)  # label matchers
+    e = re.sub(r"\[[^\]]*\]", " ", e)  # range / subquery durations
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    names = set()
+    for m in re.finditer(r"(?<![\w:.])([a-zA-Z_:][a-zA-Z0-9_:]*)(\s*\()?", e):
+        word, call = m.group(1), m.group(2)
+        if call or word.lower() in PROMQL_WORDS or re.fullmatch(r"\d+[smhdwy]", word):
+            continue
+        names.add(word)
+    return names
+
+
+def fixture_names() -> set[str]:
+    names = set()
+    for f in FIXTURES.glob("*.txt"):
+        for line in f.read_text().splitlines():
+            if line and not line.startswith("#"):
+                names.add(re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0))
+    return names
+
+
+def collector_names(tmp_path: Path) -> set[str]:
+    out = tmp_path / "c.prom"
+    subprocess.run([sys.executable, str(COLLECTOR), "--output", str(out), "x"], check=True)
+    text = out.read_text()
+    return set(re.findall(r"^# TYPE (\S+)", text, re.M))
+
+
+def test_metric_name_parser():
+    e = 'sum by (pool, le) (rate(vllm:x_bucket{pool="a"}[5m])) / on (i) y > 2'
+    assert metric_names(e) == {"vllm:x_bucket", "y"}
+    assert metric_names("histogram_quantile(0.99, sum(rate(a[5m])))") == {"a"}
+    assert metric_names("(time() - b) > 300 or (up{job=\"n\"} == 1 unless on (instance) c)") == {"b", "up", "c"}
+
+
+def test_dashboard_uses_only_names_that_exist(tmp_path):
+    files = render_role("local", tmp_path)
+    recorded = set(records_of(files["pd-recording.yml"]))
+    known = recorded | fixture_names() | collector_names(tmp_path) | {"up"}
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 20
+    used = set().union(*(metric_names(e) for e in exprs))
+    assert used - known == set(), f"dashboard names that no rule, fixture or collector provides: {used - known}"
+    # what the recipe asks to watch is on the dashboard
+    for required in ("pool:vllm_ttft_seconds:p99", "pool:vllm_tpot_seconds:p99", "pool:vllm_ttft_seconds:mean",
+                     "pool:vllm_tpot_seconds:mean", "pool:vllm_spec_decode_acceptance:ratio",
+                     "pool:vllm_nixl_xfer_time_seconds:p99", "pd_vllm_process_resident_memory_bytes",
+                     "instance_name:vllm_process_rss_bytes:deriv_per_hour", "instance_name:vllm_kv_cache_usage:max",
+                     "instance_name:vllm_requests_waiting:sum", "pd:router_error:ratio"):
+        assert required in used, f"dashboard lacks {required}"
+    for p in dash["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "b300-pd-prometheus"
+
+
+def test_rules_read_only_metrics_that_exist(tmp_path):
+    """Every raw metric the rules read exists in a captured /metrics fixture or the RSS collector's output."""
+    files = render_role("local", tmp_path)
+    recorded = set(records_of(files["pd-recording.yml"]))
+    used = set()
+    for f in ("pd-recording.yml", "pd-alerts.yml"):
+        for g in yaml.safe_load(files[f].read_text())["groups"]:
+            for r in g["rules"]:
+                used |= metric_names(r["expr"])
+    raw = used - recorded - {"up"}
+    known = fixture_names() | collector_names(tmp_path)
+    assert raw - known == set(), f"rules read metrics no fixture or collector has: {sorted(raw - known)}"
+
+
+# ---------------------------------------------------------------- role conventions
+
+
+@pytest.mark.parametrize("role", ["observability", "node_exporter"])
+def test_defaults_and_argument_specs_agree(role):
+    base = ROOT / "roles" / role
+    defaults = yaml.safe_load((base / "defaults" / "main.yml").read_text())
+    spec = yaml.safe_load((base / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+    assert set(defaults) == set(spec), f"defaults vs argument_specs: {set(defaults) ^ set(spec)}"
+    for k, v in defaults.items():
+        assert k.startswith(f"{role}_"), k
+        assert spec[k].get("description"), k
+        assert spec[k]["default"] == v, f"{k}: argument_specs default {spec[k]['default']!r} != defaults {v!r}"
+    assert (base / "README.md").exists()
+
+
+# ---------------------------------------------------------------- SLA queries for pd_verify (docs/observability.md)
+
+
+def documented_queries() -> dict[str, str]:
+    text = DOC.read_text()
+    block = re.search(r"<!-- verify-queries -->\s*```yaml\n(.*?)```", text, re.S)
+    assert block, "docs/observability.md lacks the verify-queries yaml block"
+    return yaml.safe_load(block.group(1))
+
+
+@needs_promtool
+def test_documented_verify_queries_compute_the_sla_means(tmp_path):
+    q = documented_queries()
+    assert set(q) >= {"ttft_mean_s", "tpot_mean_s", "ttft_mean_s_by_pool", "tpot_mean_s_by_pool", "ttft_mean_s_pd"}
+    dec = 'job="vllm",instance="10.237.0.12:8200",pool="decode",instance_name="decode-0",host="pd-decode-0"'
+    dec2 = 'job="vllm",instance="10.237.0.12:8201",pool="decode",instance_name="decode-1",host="pd-decode-0"'
+    pre = 'job="vllm",instance="10.237.0.11:8100",pool="prefill",instance_name="prefill-0",host="pd-prefill-0"'
+    series = [
+        # decode-0: 3 requests/min of 2 s TTFT, decode-1: 1 request/min of 6 s -> request-weighted mean 3 s
+        {"series": f"vllm:time_to_first_token_seconds_sum{{{dec}}}", "values": "0+6x30"},
+        {"series": f"vllm:time_to_first_token_seconds_count{{{dec}}}", "values": "0+3x30"},
+        {"series": f"vllm:time_to_first_token_seconds_sum{{{dec2}}}", "values": "0+6x30"},
+        {"series": f"vllm:time_to_first_token_seconds_count{{{dec2}}}", "values": "0+1x30"},
+        {"series": f"vllm:time_to_first_token_seconds_sum{{{pre}}}", "values": "0+1x30"},
+        {"series": f"vllm:time_to_first_token_seconds_count{{{pre}}}", "values": "0+4x30"},
+        {"series": f"vllm:e2e_request_latency_seconds_sum{{{pre}}}", "values": "0+2x30"},
+        {"series": f"vllm:e2e_request_latency_seconds_count{{{pre}}}", "values": "0+4x30"},
+        {"series": f"vllm:request_time_per_output_token_seconds_sum{{{dec}}}", "values": "0+0.0625x30"},
+        {"series": f"vllm:request_time_per_output_token_seconds_count{{{dec}}}", "values": "0+4x30"},
+    ]
+
+    def sub(expr):
+        return "round(1000 * (" + expr.replace("$WINDOW", "10m") + "))"
+
+    tests = [{
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [
+            {"expr": sub(q["ttft_mean_s"]), "eval_time": "20m", "exp_samples": [{"labels": "{}", "value": 3000}]},
+            {"expr": sub(q["tpot_mean_s"]), "eval_time": "20m", "exp_samples": [{"labels": "{}", "value": 16}]},
+            {"expr": sub(q["ttft_mean_s_pd"]), "eval_time": "20m", "exp_samples": [{"labels": "{}", "value": 3500}]},
+            {"expr": sub(q["ttft_mean_s_by_pool"]), "eval_time": "20m",
+             "exp_samples": [{"labels": '{pool="decode"}', "value": 3000},
+                             {"labels": '{pool="prefill"}', "value": 250}]},
+        ],
+    }]
+    rec = render_role("local", tmp_path)["pd-recording.yml"]
+    t = write_promtool_test(tmp_path, [rec], tests)
+    r = promtool("test", "rules", str(t))
+    assert r.returncode == 0, r.stdout + r.stderr
