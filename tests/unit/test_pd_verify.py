@@ -38,6 +38,8 @@ class State:
         self.kv_transfer = 0.0
         self.local_compute = 0.0
         self.nixl = 0
+        self.nixl_failed = None  # None: counter not exposed yet
+        self.fail_transfers = False
         self.pd_corrupt_at = None  # position where the P/D path returns a different token
         self.recompute = False  # P/D path computes locally instead of transferring
         self.expose_kv_metrics = True
@@ -73,14 +75,18 @@ def make_handler(name, st):
                 if st.expose_kv_metrics:
                     lines += [
                         "# TYPE vllm:prompt_tokens_by_source_total counter",
-                        f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="kv_transfer"}} '
-                        f"{st.kv_transfer}",
+                        f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",'
+                        f'source="external_kv_transfer"}} {st.kv_transfer}',
                         f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="local_compute"}} '
                         f"{st.local_compute}",
-                        f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="local_cache_hit"}} 0.0',
+                        f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",'
+                        'source="local_cache_hit"} 0.0',
                         f'vllm:nixl_xfer_time_seconds_count{{engine="0",model_name="{MODEL}"}} {st.nixl}',
                         f'vllm:nixl_xfer_time_seconds_sum{{engine="0",model_name="{MODEL}"}} {st.nixl * 0.01}',
                     ]
+                    if st.nixl_failed is not None:
+                        lines.append(f'vllm:nixl_num_failed_transfers_total{{engine="0",model_name="{MODEL}"}} '
+                                     f"{st.nixl_failed}")
                 return self._send(200, "\n".join(lines) + "\n", "text/plain")
             return self._send(404, {"error": "not found"})
 
@@ -93,7 +99,8 @@ def make_handler(name, st):
                 return self._send(200, {"count": len(toks), "tokens": toks, "max_model_len": 4096})
             if path == "/v1/chat/completions":
                 q = body["messages"][-1]["content"]
-                return self._send(200, {"choices": [{"message": {"role": "assistant", "content": st.answers.get(q, "?")}}]})
+                msg = {"role": "assistant", "content": st.answers.get(q, "?")}
+                return self._send(200, {"choices": [{"message": msg}]})
             if path != "/v1/completions":
                 return self._send(404, {"error": "no route"})
             prompt, n = body["prompt"], int(body["max_tokens"])
@@ -107,6 +114,8 @@ def make_handler(name, st):
                         st.kv_transfer += ntok - 1
                         st.local_compute += 1
                         st.nixl += 1
+                        if st.fail_transfers:
+                            st.nixl_failed = (st.nixl_failed or 0) + 1
                 if st.pd_corrupt_at is not None and st.pd_corrupt_at < len(ids):
                     ids[st.pd_corrupt_at] += 1
             text = st.answers.get(prompt, " ".join(f"w{i}" for i in ids))
@@ -152,9 +161,10 @@ class Cluster:
                        "context_max_tokens": 256, "context_points": 3},
             "kv_check": {"prompts": 2, "prompt_tokens": 64, "max_tokens": 8, "direct_instance": "prefill-0",
                          "min_transfer_fraction": 0.8,
-                         "metrics": {"by_source": "vllm:prompt_tokens_by_source_total", "source_kv": "kv_transfer",
-                                     "source_local": "local_compute",
-                                     "xfer_count": "vllm:nixl_xfer_time_seconds_count"}},
+                         "metrics": {"by_source": "vllm:prompt_tokens_by_source_total",
+                                     "source_kv": "external_kv_transfer", "source_local": "local_compute",
+                                     "xfer_count": "vllm:nixl_xfer_time_seconds_count",
+                                     "failed_count": "vllm:nixl_num_failed_transfers_total"}},
             "accuracy": {"inline": [], "match": "prefix", "min_score": 0.8, "max_tokens": 8, "concurrency": 2},
             "sla": {"input_len": 32, "output_len": 5, "concurrency": 2, "num_prompts": 4, "ttft_mean_s": 2.5,
                     "tpot_mean_ms": 20.0, "enforce": True},
@@ -220,6 +230,16 @@ def test_recomputed_prompt_is_not_a_kv_transfer(cluster):
     assert not rep["ok"]
     assert any("no NIXL transfer" in e for e in errs)
     assert any("computed the prompt itself" in e for e in errs)
+
+
+def test_failed_nixl_transfers_fail_the_check(cluster):
+    rep = pv.run_all(cluster.config(), steps=("kv_transfer",))
+    assert rep["ok"] and rep["steps"]["kv_transfer"]["totals"]["nixl_failed"] == 0
+    # The failure counter appears (vLLM creates it lazily) and counts one failure per P/D request.
+    cluster.st.fail_transfers = True
+    rep = pv.run_all(cluster.config(), steps=("kv_transfer",))
+    assert not rep["ok"]
+    assert any("2 failed NIXL transfer(s)" in e for e in rep["failures"])
 
 
 def test_missing_kv_metrics_are_reported_with_what_exists(cluster):
@@ -348,14 +368,14 @@ def test_parse_prometheus_real_exposition():
     text = (
         "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.\n"
         "# TYPE vllm:prompt_tokens_by_source_total counter\n"
-        'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-pd",source="kv_transfer"} 496.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-pd",source="external_kv_transfer"} 496.0\n'
         'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-pd",source="local_compute"} 3.0\n'
         'vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.001",model_name="tiny-pd"} 2.0\n'
         'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny-pd"} 3.0\n'
         'weird{label="a \\"quoted\\" b"} 1e3\n'
     )
     s = pv.parse_prometheus(text)
-    assert pv.metric_sum(s, "vllm:prompt_tokens_by_source_total", source="kv_transfer") == 496.0
+    assert pv.metric_sum(s, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 496.0
     assert pv.metric_sum(s, "vllm:prompt_tokens_by_source_total") == 499.0
     assert pv.metric_sum(s, "vllm:nixl_xfer_time_seconds_count") == 3.0
     assert pv.metric_sum(s, "nope") is None

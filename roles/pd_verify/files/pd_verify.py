@@ -322,6 +322,8 @@ def kv_metrics(samples, names):
         "kv_transfer_tokens": metric_sum(samples, src, source=names["source_kv"]),
         "local_compute_tokens": metric_sum(samples, src, source=names["source_local"]),
         "nixl_transfers": metric_sum(samples, names["xfer_count"]),
+        # Optional: failed transfers (absent until the first failure on some versions; None = not configured).
+        "nixl_failed": metric_sum(samples, names["failed_count"]) if names.get("failed_count") else None,
     }
 
 
@@ -358,8 +360,9 @@ def step_kv_transfer(cfg, prompts):
         prompt, count = prompts.make(int(k["prompt_tokens"]), 1000 + n)
         case = {"prompt_tokens": count}
         try:
-            pd = _completion(router, model, prompt, int(k["max_tokens"]), cfg)
-            co = _completion(direct["url"], model, prompt, int(k["max_tokens"]), cfg)
+            # ignore_eos: compare max_tokens tokens even when the model would stop early.
+            pd = _completion(router, model, prompt, int(k["max_tokens"]), cfg, extra={"ignore_eos": True})
+            co = _completion(direct["url"], model, prompt, int(k["max_tokens"]), cfg, extra={"ignore_eos": True})
             pd_ids, basis, pd_text = _token_ids(pd, tokenize)
             co_ids, _, co_text = _token_ids(co, tokenize)
         except HttpError as e:
@@ -378,13 +381,17 @@ def step_kv_transfer(cfg, prompts):
                           f"at position {first_diff}: P/D {pd_ids[fd:fd + 3]} vs colocated {co_ids[fd:fd + 3]}")
         cases.append(case)
     after = scrape_all()
-    per_decode, tot = {}, {"kv_transfer_tokens": 0.0, "local_compute_tokens": 0.0, "nixl_transfers": 0.0}
+    per_decode = {}
+    tot = {"kv_transfer_tokens": 0.0, "local_compute_tokens": 0.0, "nixl_transfers": 0.0, "nixl_failed": 0.0}
     missing = []
     for d in decodes:
         b, a = kv_metrics(before[d["name"]], names), kv_metrics(after[d["name"]], names)
         delta = {key: _delta(a[key], b[key]) for key in a}
         per_decode[d["name"]] = delta
         for key, v in delta.items():
+            if key == "nixl_failed":
+                tot[key] += v if v is not None else (a[key] or 0.0)  # counter born during the check
+                continue
             if v is None and a[key] is None:
                 missing.append(f"{d['name']}: metric for {key} not exposed")
             else:
@@ -396,6 +403,8 @@ def step_kv_transfer(cfg, prompts):
     computed = tot["kv_transfer_tokens"] + tot["local_compute_tokens"]
     if computed > 0:
         frac = tot["kv_transfer_tokens"] / computed
+    if tot["nixl_failed"] > 0:
+        errors.append(f"decode reports {tot['nixl_failed']:.0f} failed NIXL transfer(s) during the check")
     if not missing:
         if tot["nixl_transfers"] <= 0:
             errors.append("decode shows no NIXL transfer during the check (transfer count delta 0): the KV was not "
