@@ -102,3 +102,36 @@ def test_h200_capture_fails_b300_inventory_naming_product_count_fabric(runs):
     assert "- b300-01: GPU 0 (00000000:00:06.0): no active NVLink link" in out
     assert "found no NVIDIA GPU" not in out
 
+
+
+def test_gpu_check_capture_writes_what_nvidia_smi_prints(tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text(FAKE_SMI)
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    env = dict(os.environ, PATH=str(fake_bin) + os.pathsep + os.environ.get("PATH", ""), FAKE_SMI_DIR=H200_DIR,
+               PYTHON=sys.executable)
+    out = tmp_path / "cap"
+    p = subprocess.run([os.path.join(ROOT, "scripts", "gpu-check"), "capture", str(out)], env=env,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    for name in ("nvidia-smi-q-x.xml", "nvidia-smi-topo-m.txt", "nvidia-smi-nvlink-s.txt"):
+        with open(os.path.join(H200_DIR, name)) as want:
+            assert (out / name).read_text() == want.read(), name
+    host = (out / "host.txt").read_text()
+    assert "nvidia-smi: " + str(fake_bin / "nvidia-smi") in host and "\nrc 0\n" in host
+    # the fake knows no --version: the capture records its complaint instead of stopping
+    assert "unexpected arguments: --version" in (out / "nvidia-smi-version.txt").read_text()
+    assert "## ls /sys/class/infiniband" in (out / "rdma-nixl-ucx.txt").read_text()
+
+
+def test_gpu_check_capture_without_nvidia_smi(tmp_path):
+    if smi_on_host():
+        pytest.skip("this machine has an nvidia-smi")
+    out = tmp_path / "cap"
+    p = subprocess.run([os.path.join(ROOT, "scripts", "gpu-check"), "capture", str(out)],
+                       env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert p.returncode == 0, p.stderr
+    assert "nvidia-smi: absent" in (out / "host.txt").read_text()
+    assert not (out / "nvidia-smi-q-x.xml").exists()
