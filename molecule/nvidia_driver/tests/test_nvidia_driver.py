@@ -32,7 +32,7 @@ OLD_BRANCH_PACKAGES = ["nvidia-driver-570-open", "nvidia-fabricmanager-570", "li
 
 def _installed_version(host, pkg):
     out = host.run(f"dpkg-query -W -f='${{Status}}|${{Version}}' {pkg}")
-    if out.rc != 0 or not out.stdout.startswith("install ok installed"):
+    if out.rc != 0 or " ok installed|" not in out.stdout:  # "install ok installed" or "hold ok installed"
         return None
     return out.stdout.split("|", 1)[1]
 
