@@ -258,6 +258,8 @@ def test_instance_down_is_named_and_later_steps_do_not_run(cluster):
     errs = rep["steps"]["readiness"]["errors"]
     assert len(errs) == 1 and errs[0].startswith(f"prefill-1 ({dead}) not ready after 2 attempt(s)")
     assert rep["steps"]["sla"]["skipped"] and not rep["steps"]["sla"]["ok"]
+    assert rep["failures"] == errs  # the cause once, not one line per step that did not run
+    assert "| sla | not run |" in pv.render_markdown(rep)
     assert not any(p == "/v1/completions" for _, p, _ in cluster.st.requests)
 
 

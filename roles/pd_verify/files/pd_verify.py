@@ -643,7 +643,7 @@ def run_all(cfg, steps=STEPS, sleep=time.sleep):
         report["steps"][step] = res
         if step == "readiness" and not res["ok"]:
             for later in steps[steps.index(step) + 1:]:
-                report["steps"][later] = {"ok": False, "skipped": True, "errors": ["not run: readiness failed"]}
+                report["steps"][later] = {"ok": False, "skipped": True, "not_run": "readiness failed"}
             break
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report["ok"] = all(s["ok"] for s in report["steps"].values())
@@ -657,7 +657,7 @@ def render_markdown(rep):
              f"Router {rep['router_url']}, model `{rep['model']}`, {rep['started']} → {rep['finished']}", "",
              "| step | result | seconds |", "|---|---|---|"]
     for name, s in st.items():
-        res = "skipped" if s.get("skipped") and s["ok"] else ("ok" if s["ok"] else "FAIL")
+        res = ("not run" if s.get("not_run") else "skipped") if s.get("skipped") else ("ok" if s["ok"] else "FAIL")
         if name == "sla" and "verdict" in s:
             res += f" (SLA {s['verdict']}{', enforced' if s['enforced'] else ', not enforced'})"
         lines.append(f"| {name} | {res} | {s.get('seconds', '')} |")
