@@ -599,13 +599,14 @@ def test_ansible_adhoc_run_and_idempotence(tmp_path, src):
 def _playbook(tmp: Path, extra_vars: dict, check=False):
     pb = tmp / "site.yml"
     pb.write_text("- name: Model weights\n  hosts: all\n  gather_facts: false\n  roles:\n    - role: model_weights\n")
-    (tmp / "vars.json").write_text(json.dumps(extra_vars))
+    # A tiny model fetches in seconds: bound the async job so a lost one fails the test instead of hanging it.
+    (tmp / "vars.json").write_text(json.dumps({"model_weights_async_timeout": 600, **extra_vars}))
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FACT_CACHING="memory")
     cmd = [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", "-c", "local",
            "-e", "ansible_python_interpreter=" + shutil.which("python3"), "-e", f"@{tmp / 'vars.json'}", str(pb)]
     if check:
         cmd += ["--check", "--diff"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False, timeout=1200)
     m = re.search(r"localhost\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", p.stdout)
     assert m, p.stdout[-3000:] + p.stderr[-3000:]
     return p, int(m.group(2)), int(m.group(4))
