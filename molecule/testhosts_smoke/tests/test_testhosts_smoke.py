@@ -134,7 +134,11 @@ def test_control_node_reaches_service():
     for h, ip in ADDRESSES.items():
         with socket.create_connection((ip, PORT), timeout=5) as s:
             s.sendall(b"GET / HTTP/1.0\r\n\r\n")
-            assert s.recv(4096).split(b"\r\n\r\n", 1)[1].strip() == h.encode()
+            # Headers and body may arrive in separate segments: read to EOF (HTTP/1.0 closes the connection).
+            response = b""
+            while chunk := s.recv(4096):
+                response += chunk
+            assert response.split(b"\r\n\r\n", 1)[1].strip() == h.encode()
 
 
 def test_no_dns_inside(host):
