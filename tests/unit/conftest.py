@@ -26,16 +26,7 @@ if str(MODULE_UTILS) not in sys.path:
 if str(MODULE_UTILS) not in ansible.module_utils.__path__:
     ansible.module_utils.__path__.append(str(MODULE_UTILS))
 
-RECIPE_KEYS = (
-    "pd_vllm_flags_common",
-    "pd_vllm_flags_pool",
-    "pd_kv_transfer_config",
-    "pd_kv_roles",
-    "pd_vllm_env",
-    "pd_ucx_env",
-    "pd_model_path",
-    "pd_served_model_name",
-)
+from pd_recipe import RECIPE_KEYS  # noqa: E402 - importable once module_utils is on sys.path (above)
 
 
 def load_library(name: str):
