@@ -6,6 +6,10 @@
 ``pd_router_argv(workers, settings)`` -> the argument list after the ``vllm-router`` executable. ``settings``
 holds the role's knobs (see defaults/main.yml); ``extra_args`` uses the bundle's flag convention
 (true = bare flag, false/None = omitted, dict/list = compact JSON, anything else ``--flag value``).
+With ``settings["igw"]`` true it adds ``--enable-igw`` (dynamic worker registry; see docs/upgrades.md).
+
+``pd_router_registry(workers, model_id)`` -> the worker list ``files/pd_router_workers.py set`` registers in IGW
+mode: ``[{"url", "worker_type", "model_id", "name"}]``, prefill then decode, in inventory order.
 
 Errors name the host, the instance, the field and the fix (contributing.md).
 """
@@ -23,7 +27,7 @@ _OWNED_FLAGS = {
     "health-success-threshold", "health-check-timeout-secs", "health-check-interval-secs",
     "health-check-endpoint", "retry-max-retries", "retry-initial-backoff-ms", "retry-max-backoff-ms",
     "request-timeout-secs", "queue-timeout-secs", "worker-startup-timeout-secs",
-    "worker-startup-check-interval", "log-level", "worker-urls",
+    "worker-startup-check-interval", "log-level", "worker-urls", "enable-igw",
 }
 
 
@@ -94,7 +98,17 @@ def _flag_args(flag, value):
 def pd_router_argv(workers, settings):
     """The vllm-router arguments for P/D mode (the part of ExecStart after the executable)."""
     s = dict(settings or {})
+    igw = bool(s.get("igw"))
+    if igw:
+        # vllm-router 0.1.17 in IGW mode ignores --prefill-policy/--decode-policy: its P/D router selects prefill
+        # AND decode workers with --policy (measured, docs/upgrades.md). The prefill choice is the one that matters
+        # (cache reuse across prefill instances), so --policy carries the prefill policy.
+        s["policy"] = s.get("prefill_policy") or s.get("policy")
     argv = ["--vllm-pd-disaggregation", "--kv-connector", str(s.get("kv_connector", "nixl"))]
+    if igw:
+        # The router then starts with an empty registry and ignores the --prefill/--decode below (kept: they are
+        # parsed, so validated, and they document the topology); ExecStartPost registers the same workers.
+        argv.insert(0, "--enable-igw")
     for w in workers["prefill"]:
         # NIXL needs no bootstrap port; 'none' says so explicitly rather than by omission.
         argv += ["--prefill", w["url"], "none"]
@@ -143,6 +157,15 @@ def pd_router_argv(workers, settings):
     return argv
 
 
+def pd_router_registry(workers, model_id):
+    """The IGW registry entries of the topology: every prefill and decode instance of ``workers``."""
+    if not model_id or not isinstance(model_id, str):
+        _fail(f"pd_router: pd_router_model_id is {model_id!r}; set it to the served model name "
+              "(pd_served_model_name): IGW mode routes a request by its model")
+    return [{"url": w["url"], "worker_type": pool, "model_id": model_id, "name": w["name"]}
+            for pool in POOLS for w in workers[pool]]
+
+
 def pd_router_quote(argv):
     """Join argv for a systemd ExecStart= line (double quotes where needed; ${VAR} stays expandable)."""
     out = []
@@ -162,5 +185,6 @@ class FilterModule:
         return {
             "pd_router_workers": pd_router_workers,
             "pd_router_argv": pd_router_argv,
+            "pd_router_registry": pd_router_registry,
             "pd_router_quote": pd_router_quote,
         }

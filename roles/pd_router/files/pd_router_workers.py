@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Read and change vllm-router's worker registry (IGW mode, ``--enable-igw``). Stdlib only.
+
+vllm-router 0.1.17 in ``--vllm-pd-disaggregation`` mode can remove a worker at runtime but never add one back
+(``POST /add_worker`` and ``POST /workers`` answer 400 "PD router requires specific add_prefill_server or
+add_decode_server methods"). In IGW mode the registry is dynamic: ``POST /workers {url, worker_type, model_id}``
+adds a worker, or changes the type of a registered URL in place; ``DELETE /workers/<url>`` removes it. A model's
+requests go to the P/D router while any prefill/decode worker of that model is registered, and to the regular
+(colocated) router otherwise. docs/upgrades.md has the measurements.
+
+  pd-router-workers [--router URL] list
+  pd-router-workers [--router URL] set --workers FILE|- [--wait S] [--dry-run]
+
+``set`` makes the registry equal the wanted list (JSON: [{"url", "worker_type", "model_id"}, ...]): it orders the
+changes so that the fewest intermediate states leave a model without a routable set (a P/D set with a prefill
+and a decode worker, or regular workers), applies them back to back on one connection, and prints a JSON
+report (changes, broken intermediate states, how long the model had no routable set). A model whose registry
+changes from P/D to regular (or back) always passes through one such state: the router has no atomic swap.
+
+Exit codes: 0 done, 1 router error, 2 bad input, 3 router not in IGW mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import sys
+import time
+from urllib.parse import quote, urlsplit
+
+TYPES = ("prefill", "decode", "regular")
+PD_TYPES = ("prefill", "decode")
+EXACT_SEARCH_MAX_OPS = 14  # 2**14 subsets; beyond that changes go in the simple order (puts, then deletes)
+
+
+class RouterError(RuntimeError):
+    """The router refused or could not be reached."""
+
+
+class NotIgwError(RouterError):
+    """The router runs without --enable-igw: its worker set cannot be changed at runtime."""
+
+
+def routable(registry):
+    """Per model: True when requests of that model have somewhere to go.
+
+    ``registry``: {url: (worker_type, model_id)}. A model with any prefill/decode worker is routed by the P/D
+    router, which needs both; a model with only regular workers by the regular router.
+    """
+    by_model = {}
+    for wtype, model in registry.values():
+        by_model.setdefault(model, set()).add(wtype)
+    out = {}
+    for model, types in by_model.items():
+        if types & set(PD_TYPES):
+            out[model] = {"prefill", "decode"} <= types
+        else:
+            out[model] = "regular" in types
+    return out
+
+
+def _broken_models(registry, models):
+    ok = routable(registry)
+    return sorted(m for m in models if not ok.get(m, False))
+
+
+def diff(current, wanted):
+    """Changes from ``current`` to ``wanted`` ({url: (type, model)}): ("put", url, type, model) or ("delete", url)."""
+    ops = []
+    for url in sorted(set(current) | set(wanted)):
+        if url in wanted and current.get(url) != wanted[url]:
+            ops.append(("put", url, *wanted[url]))
+        elif url in current and url not in wanted:
+            ops.append(("delete", url))
+    return ops
+
+
+def _apply(registry, op):
+    reg = dict(registry)
+    if op[0] == "put":
+        reg[op[1]] = (op[2], op[3])
+    else:
+        reg.pop(op[1], None)
+    return reg
+
+
+def plan(current, wanted):
+    """Order the changes; returns (ops, broken): broken = intermediate states that leave a model unroutable.
+
+    Models considered: those of ``wanted`` that are routable there (a model being removed entirely does not
+    count). Exhaustive over subsets up to EXACT_SEARCH_MAX_OPS changes: fewest broken states first, then puts
+    before deletes (capacity stays in rotation as long as possible).
+    """
+    ops = diff(current, wanted)
+    models = [m for m, ok in routable(wanted).items() if ok]
+    if not ops:
+        return [], 0
+    if len(ops) > EXACT_SEARCH_MAX_OPS:
+        ordered = [o for o in ops if o[0] == "put"] + [o for o in ops if o[0] == "delete"]
+        return ordered, _count_broken(current, ordered, models)
+    n = len(ops)
+    full = (1 << n) - 1
+    # best[mask] = (broken, late_puts, order); late_puts counts puts applied after some delete.
+    best = {0: (0, 0, ())}
+    for size in range(n):
+        for mask in [m for m in best if bin(m).count("1") == size]:
+            broken, late, order = best[mask]
+            reg = current
+            for i in order:
+                reg = _apply(reg, ops[i])
+            deleted = any(ops[i][0] == "delete" for i in order)
+            for i in range(n):
+                if mask & (1 << i):
+                    continue
+                nmask = mask | (1 << i)
+                nreg = _apply(reg, ops[i])
+                nb = broken + (1 if nmask != full and _broken_models(nreg, models) else 0)
+                nl = late + (1 if ops[i][0] == "put" and deleted else 0)
+                cand = (nb, nl, (*order, i))
+                if nmask not in best or cand[:2] < best[nmask][:2]:
+                    best[nmask] = cand
+    broken, _, order = best[full]
+    return [ops[i] for i in order], broken
+
+
+def _count_broken(current, ordered, models):
+    reg, broken = current, 0
+    for op in ordered[:-1]:
+        reg = _apply(reg, op)
+        broken += 1 if _broken_models(reg, models) else 0
+    return broken
+
+
+def parse_wanted(items, default_model=None):
+    """Validate the wanted list; returns {url: (type, model)}."""
+    if not isinstance(items, list):
+        raise ValueError("the workers file must hold a JSON list of {url, worker_type, model_id}")
+    out = {}
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"entry {i}: not an object")
+        url, wtype = item.get("url"), item.get("worker_type")
+        model = item.get("model_id") or default_model
+        parts = urlsplit(url or "")
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"entry {i}: url {url!r} is not http(s)://host:port")
+        if wtype not in TYPES:
+            raise ValueError(f"entry {i} ({url}): worker_type {wtype!r} is not one of {', '.join(TYPES)}")
+        if not model:
+            raise ValueError(f"entry {i} ({url}): model_id is missing (the served model name)")
+        if url in out:
+            raise ValueError(f"entry {i}: url {url} is listed twice")
+        out[url] = (wtype, model)
+    return out
+
+
+class Router:
+    """Keep-alive HTTP client of one router."""
+
+    def __init__(self, base, timeout=10.0):
+        parts = urlsplit(base)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"--router {base!r}: give http://host:port")
+        self.host, self.port, self.timeout = parts.hostname, parts.port or 80, timeout
+        self.conn = None
+
+    def request(self, method, path, body=None):
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        for attempt in (1, 2):
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            try:
+                self.conn.request(method, path, body=data, headers=headers)
+                resp = self.conn.getresponse()
+                text = resp.read().decode("utf-8", "replace")
+                return resp.status, text
+            except (OSError, http.client.HTTPException):
+                self.conn.close()
+                self.conn = None
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def wait_live(self, seconds):
+        deadline = time.monotonic() + seconds
+        last = "no answer"
+        while True:
+            try:
+                status, text = self.request("GET", "/liveness")
+                if status == 200:
+                    return
+                last = f"HTTP {status} {text[:200]}"
+            except OSError as e:
+                last = str(e)
+            if time.monotonic() >= deadline:
+                raise RouterError(f"router {self.host}:{self.port} not live after {seconds:.0f}s: {last}")
+            time.sleep(0.5)
+
+    def registry(self):
+        """{url: (type, model)} of the router, and the raw worker list."""
+        status, text = self.request("GET", "/workers")
+        if status != 200:
+            raise RouterError(f"GET /workers: HTTP {status}: {text[:300]}")
+        doc = json.loads(text)
+        stats = doc.get("stats") or {}
+        if "by_type" not in stats:
+            raise NotIgwError(
+                "the router is not in IGW mode (started without --enable-igw): vllm-router 0.1.17 cannot add a "
+                "worker back at runtime in --vllm-pd-disaggregation mode; set pd_router_igw: true and redeploy "
+                "the router (playbooks/deploy.yml, pd_router)")
+        workers = doc.get("workers") or []
+        return {w["url"]: (w["worker_type"], w.get("model_id")) for w in workers}, workers
+
+    def put(self, url, wtype, model):
+        status, text = self.request("POST", "/workers", {"url": url, "worker_type": wtype, "model_id": model})
+        if status != 200:
+            raise RouterError(f"POST /workers {url} ({wtype}): HTTP {status}: {text[:300]}")
+
+    def delete(self, url):
+        status, text = self.request("DELETE", "/workers/" + quote(url, safe=""))
+        if status not in (200, 404):
+            raise RouterError(f"DELETE /workers/{url}: HTTP {status}: {text[:300]}")
+
+
+def execute(router, ops, current, models):
+    """Apply ``ops`` in order; measure the time any of ``models`` had no routable set (ms)."""
+    reg, broken_since, window = current, None, 0.0
+    if _broken_models(reg, models):
+        broken_since = time.monotonic()
+    for op in ops:
+        if op[0] == "put":
+            router.put(op[1], op[2], op[3])
+        else:
+            router.delete(op[1])
+        reg = _apply(reg, op)
+        now = time.monotonic()
+        if _broken_models(reg, models):
+            broken_since = broken_since if broken_since is not None else now
+        elif broken_since is not None:
+            window += now - broken_since
+            broken_since = None
+    return round(window * 1000.0, 3)
+
+
+def cmd_set(args, router):
+    raw = sys.stdin.read() if args.workers == "-" else open(args.workers, encoding="utf-8").read()
+    wanted = parse_wanted(json.loads(raw), args.model)
+    if args.wait:
+        router.wait_live(args.wait)
+    current, _ = router.registry()
+    ops, broken = plan(current, wanted)
+    models = [m for m, ok in routable(wanted).items() if ok]
+    unroutable = sorted({m for _, m in wanted.values()} - set(models))
+    report = {
+        "changed": bool(ops), "ops": [list(o) for o in ops], "broken_states": broken,
+        "before": {u: list(v) for u, v in sorted(current.items())},
+        "after": {u: list(v) for u, v in sorted(wanted.items())},
+        "unroutable_models_after": unroutable, "window_ms": 0.0, "dry_run": args.dry_run,
+    }
+    if ops and not args.dry_run:
+        report["window_ms"] = execute(router, ops, current, models)
+        after, _ = router.registry()
+        if after != wanted:
+            raise RouterError(f"registry after the changes differs from the wanted one: {after} != {wanted}")
+    print(json.dumps(report, sort_keys=True))
+    return 0
+
+
+def cmd_list(args, router):
+    if args.wait:
+        router.wait_live(args.wait)
+    _, workers = router.registry()
+    print(json.dumps({"workers": workers, "routable": routable({w["url"]: (w["worker_type"], w.get("model_id"))
+                                                                for w in workers})}, sort_keys=True))
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="pd-router-workers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--router", default="http://127.0.0.1:8000", help="router base URL")
+    ap.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_list = sub.add_parser("list", help="print the registry (JSON)")
+    p_list.add_argument("--wait", type=float, default=0.0, help="wait up to S seconds for /liveness first")
+    p_set = sub.add_parser("set", help="make the registry equal the wanted list")
+    p_set.add_argument("--workers", required=True, help="JSON file of [{url, worker_type, model_id}], - = stdin")
+    p_set.add_argument("--model", help="model_id for entries without one")
+    p_set.add_argument("--wait", type=float, default=0.0, help="wait up to S seconds for /liveness first")
+    p_set.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    args = ap.parse_args(argv)
+    try:
+        router = Router(args.router, args.timeout)
+        return {"list": cmd_list, "set": cmd_set}[args.cmd](args, router)
+    except NotIgwError as e:
+        print(f"pd-router-workers: {e}", file=sys.stderr)
+        return 3
+    except (ValueError, OSError) as e:
+        print(f"pd-router-workers: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
+    except RouterError as e:
+        print(f"pd-router-workers: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
