@@ -1,0 +1,231 @@
+"""Filters of the pd_rollout role (drain-first, one instance at a time; docs/upgrades.md).
+
+``pd_rollout_topology(groups, hostvars, group)``: every ``pd_instances`` entry of ``group`` as
+``{name, host, pool, url, http_port}`` in inventory order (URL as the router knows it).
+
+``pd_rollout_order(topology)``: the host order of a rollout: hosts with prefill instances only, then the
+others (a host with the decode pool last); and per host its instances, prefill first.
+
+``pd_rollout_routing(topology, keys, out, prefer_key, model)``: the router registry wanted while the instances
+named in ``out`` are out of rotation. P/D pairs only instances of one NIXL compatibility key (``keys``:
+name -> key; vLLM's NIXL handshake rejects peers whose vLLM version, NIXL connector version, model, dtype, KV
+cache dtype, attention backend or speculative config differ). When no prefill and decode instance of one key
+are left, whole requests go to the remaining prefill instances as regular (colocated) workers.
+
+``pd_rollout_queue(metrics_text)``: ``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` summed over
+every label set of a vLLM ``/metrics`` page; None when neither metric is there.
+
+``pd_rollout_unit_exec(unit_text)``: ``{python, argv}`` of a vllm-<name>.service ExecStart= line.
+
+``pd_rollout_compat_key(versions, argv, flags)``: the compatibility key of an instance: vLLM and NIXL
+versions and the values of the NIXL-relevant ``flags`` in its argv.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+
+POOLS = ("prefill", "decode")
+
+
+class PdRolloutError(ValueError):
+    """Bad input; the message names what and how to fix it."""
+
+
+def _fail(msg):
+    try:
+        from ansible.errors import AnsibleFilterError
+    except ImportError:  # pragma: no cover - Ansible is importable in the control venv
+        raise PdRolloutError(msg) from None
+    raise AnsibleFilterError(msg)
+
+
+def pd_rollout_topology(groups, hostvars, group="vllm_hosts"):
+    hosts = list((groups or {}).get(group) or [])
+    if not hosts:
+        _fail(f"pd_rollout: group '{group}' is empty or missing")
+    out, seen = [], set()
+    for host in hosts:
+        hv = hostvars[host]
+        addr = hv.get("ansible_host") or host
+        for inst in hv.get("pd_instances") or []:
+            name, pool, port = inst.get("name"), inst.get("pool"), inst.get("http_port")
+            if not name or pool not in POOLS or not isinstance(port, int):
+                _fail(f"pd_rollout: host '{host}': instance {inst!r} needs name, pool (prefill|decode) and an "
+                      "integer http_port (docs/architecture.md)")
+            if name in seen:
+                _fail(f"pd_rollout: instance name '{name}' is used twice")
+            seen.add(name)
+            out.append({"name": name, "host": host, "pool": pool, "url": f"http://{addr}:{port}",
+                        "http_port": port})
+    for pool in POOLS:
+        if not any(t["pool"] == pool for t in out):
+            _fail(f"pd_rollout: no {pool} instance in group '{group}'")
+    return out
+
+
+def pd_rollout_order(topology):
+    """[{host, instances: [names]}]: prefill-only hosts first, in inventory order, then the rest."""
+    hosts = []
+    for t in topology:
+        if t["host"] not in hosts:
+            hosts.append(t["host"])
+
+    def pools(h):
+        return {t["pool"] for t in topology if t["host"] == h}
+
+    ordered = [h for h in hosts if pools(h) == {"prefill"}] + [h for h in hosts if pools(h) != {"prefill"}]
+    rank = {"prefill": 0, "decode": 1}
+    return [{"host": h, "instances": [t["name"] for t in sorted((t for t in topology if t["host"] == h),
+                                                               key=lambda t: rank[t["pool"]])]}
+            for h in ordered]
+
+
+def pd_rollout_routing(topology, keys, out=(), prefer_key=None, model=None):
+    """Wanted registry: [{url, worker_type, model_id, name}]; see the module docstring."""
+    if not model:
+        _fail("pd_rollout: the model id (pd_served_model_name) is empty")
+    out = set(out or [])
+    missing = [t["name"] for t in topology if t["name"] not in (keys or {})]
+    if missing:
+        _fail(f"pd_rollout: no compatibility key for instance(s) {', '.join(missing)} (facts not gathered)")
+    avail = [t for t in topology if t["name"] not in out]
+    counts = {}
+    for t in avail:
+        if t["pool"] == "prefill":
+            counts[keys[t["name"]]] = counts.get(keys[t["name"]], 0) + 1
+    candidates = ([prefer_key] if prefer_key else []) + sorted(counts, key=lambda k: (-counts[k], k))
+    for key in candidates:
+        pre = [t for t in avail if t["pool"] == "prefill" and keys[t["name"]] == key]
+        dec = [t for t in avail if t["pool"] == "decode" and keys[t["name"]] == key]
+        if pre and dec:
+            return [{"url": t["url"], "worker_type": t["pool"], "model_id": model, "name": t["name"]}
+                    for t in pre + dec]
+    regular = [t for t in avail if t["pool"] == "prefill"] or [t for t in avail if t["pool"] == "decode"]
+    if not regular:
+        _fail(f"pd_rollout: taking {', '.join(sorted(out))} out of rotation leaves no instance to serve; "
+              "a rollout needs at least two instances")
+    return [{"url": t["url"], "worker_type": "regular", "model_id": model, "name": t["name"]} for t in regular]
+
+
+def pd_rollout_keys(groups, hostvars, group="vllm_hosts"):
+    """{instance: compatibility key} from the pd_rollout_state fact of every host of ``group``."""
+    keys = {}
+    for host in (groups or {}).get(group) or []:
+        state = hostvars[host].get("pd_rollout_state")
+        if not state:
+            _fail(f"pd_rollout: host '{host}' has no pd_rollout_state (run the role's facts.yml on every host of "
+                  f"'{group}' first)")
+        for name, st in state.items():
+            keys[name] = st["key"]
+    return keys
+
+
+def pd_rollout_routing_mode(registry):
+    """'pd' when the registry has prefill/decode workers, 'colocated' when only regular ones."""
+    return "pd" if any(w["worker_type"] in POOLS for w in registry) else "colocated"
+
+
+_METRIC = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+(\S+)", re.M)
+
+
+def pd_rollout_queue(metrics_text):
+    found, total = False, 0.0
+    for _name, value in _METRIC.findall(metrics_text or ""):
+        found = True
+        total += float(value)
+    return int(round(total)) if found else None
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", re.M)
+
+
+def pd_rollout_metric_sum(metrics_text, name, labels=None):
+    """Sum of the samples of ``name`` whose labels include ``labels`` (dict); None when there is none."""
+    want = {k: str(v) for k, v in (labels or {}).items()}
+    found, total = False, 0.0
+    for metric, lbl, value in _SAMPLE.findall(metrics_text or ""):
+        if metric != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', lbl or ""))
+        if all(have.get(k) == v for k, v in want.items()):
+            found = True
+            total += float(value)
+    return total if found else None
+
+
+def pd_rollout_partner(topology, keys, name, key):
+    """Name of an instance of the other pool with compatibility key ``key`` (for the P/D smoke), or ''."""
+    me = next((t for t in topology if t["name"] == name), None)
+    if me is None:
+        _fail(f"pd_rollout: instance '{name}' is not in the topology")
+    other = "decode" if me["pool"] == "prefill" else "prefill"
+    for t in topology:
+        if t["pool"] == other and t["name"] != name and keys.get(t["name"]) == key:
+            return t["name"]
+    return ""
+
+
+def pd_rollout_unit_exec(unit_text):
+    lines = (unit_text or "").splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("ExecStart="):
+            continue
+        cmd, j = line[len("ExecStart="):], i
+        while cmd.endswith("\\") and j + 1 < len(lines):  # systemd line continuation
+            j += 1
+            cmd = cmd[:-1] + " " + lines[j].strip()
+        words = shlex.split(cmd.replace("%%", "%"))
+        if not words:
+            break
+        python = words[0].lstrip("-@+!:")
+        argv = words[1:]
+        if argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:
+            argv = argv[2:]
+        return {"python": python, "argv": argv}
+    _fail("pd_rollout: the unit file has no ExecStart= line (is it a vllm_serve unit?)")
+    return None
+
+
+def _flag_values(argv, flags):
+    vals = {}
+    for flag in flags:
+        opt = "--" + flag
+        for i, a in enumerate(argv):
+            if a == opt:
+                nxt = argv[i + 1] if i + 1 < len(argv) else ""
+                vals[flag] = True if nxt.startswith("--") or nxt == "" else nxt
+            elif a.startswith(opt + "="):
+                vals[flag] = a.split("=", 1)[1]
+    return vals
+
+
+def pd_rollout_compat_key(versions, argv, flags):
+    """'vllm=<v>;nixl=<v>;flags=<sha256[:12]>'; versions = {vllm, nixl}."""
+    versions = versions or {}
+    if not versions.get("vllm"):
+        _fail(f"pd_rollout: no vLLM version in {versions!r}")
+    blob = json.dumps(_flag_values(list(argv or []), list(flags or [])), sort_keys=True)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return f"vllm={versions['vllm']};nixl={versions.get('nixl') or 'none'};flags={digest}"
+
+
+class FilterModule:
+    """pd_rollout filters."""
+
+    def filters(self):
+        return {
+            "pd_rollout_topology": pd_rollout_topology,
+            "pd_rollout_order": pd_rollout_order,
+            "pd_rollout_routing": pd_rollout_routing,
+            "pd_rollout_routing_mode": pd_rollout_routing_mode,
+            "pd_rollout_keys": pd_rollout_keys,
+            "pd_rollout_metric_sum": pd_rollout_metric_sum,
+            "pd_rollout_partner": pd_rollout_partner,
+            "pd_rollout_queue": pd_rollout_queue,
+            "pd_rollout_unit_exec": pd_rollout_unit_exec,
+            "pd_rollout_compat_key": pd_rollout_compat_key,
+        }
