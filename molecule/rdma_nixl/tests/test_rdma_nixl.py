@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 
 import pytest
 import testinfra.utils.ansible_runner
@@ -46,6 +47,8 @@ def test_transport_fact(host):
     assert report["missing"] == []
     # tcp over the host's veth (its address is on it), not only loopback.
     assert any(r.startswith("tcp/") and not r.endswith("/lo") for r in report["resources"]), report["resources"]
+    # With UCX_MODULES=^efa no system RDMA library is mapped next to NIXL's own copies.
+    assert report["loaded_twice"] == [], report["loaded_twice"]
 
 
 def test_nixl_agent_creates_ucx_backend_now(host):
@@ -53,8 +56,10 @@ def test_nixl_agent_creates_ucx_backend_now(host):
     code = ("from nixl._api import nixl_agent, nixl_agent_config; "
             "a = nixl_agent('verify', nixl_agent_config(backends=['UCX'])); "
             "print('UCX-OK' if 'UCX' in a.backends else 'UCX-MISSING')")
-    # Run through sh so the exit status is reported in stdout rather than by testinfra's ansible backend.
-    out = host.run("sh -c %s", f"UCX_TLS=tcp,self,sm {PY} -c \"{code}\" 2>&1; echo EXIT=$?")
+    # The UCX environment vLLM's instances get (pd_ucx_env). Run through sh so the exit status is reported in
+    # stdout rather than by testinfra's ansible backend: a crash at exit (SIGSEGV, 139) must fail here.
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in VARS["pd_ucx_env"].items())
+    out = host.run("sh -c %s", f"{env} {PY} -c \"{code}\" 2>&1; echo EXIT=$?")
     assert "UCX-OK" in out.stdout, out.stdout + out.stderr
     assert "EXIT=0" in out.stdout, out.stdout
 
@@ -73,6 +78,15 @@ def test_negative_net_devices_fail_naming_instance(host):
     msg = _json(host, "/var/lib/molecule-rdma_nixl/negative.json")["net_devices"]
     assert msg != "NOT FAILED", "rdma_nixl accepted ucx_net_devices that are not on the host"
     assert "instance decode-bogus" in msg and "mlx5_9" in msg and "mlx5_10" in msg, msg
+
+
+def test_negative_exit_crash_fails_naming_the_fix(host):
+    """Without UCX_MODULES=^efa on a host with rdma-core, the check process crashes at exit: the role must fail
+    and say why (the libraries loaded twice) and what to set."""
+    msg = _json(host, "/var/lib/molecule-rdma_nixl/negative.json")["exit_crash"]
+    assert msg != "NOT FAILED", "rdma_nixl accepted a NIXL/UCX process that crashed at exit"
+    assert host.backend.get_hostname() in msg and "rc 139 (SIGSEGV)" in msg, msg
+    assert "libnl-route-3" in msg and 'UCX_MODULES: "^efa"' in msg, msg
 
 
 @pytest.mark.parametrize("pkg", ["rdma-core", "ibverbs-utils", "infiniband-diags", "libibverbs1"])

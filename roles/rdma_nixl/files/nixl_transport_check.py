@@ -8,7 +8,11 @@ Run with the vLLM venv's python (NIXL lives there). Steps:
      UCX_NET_DEVICES, ...), initialise a UCP context and list its transport resources (transport/device),
      which is what `ucx_info -d` would show for that configuration;
   4. every transport named in UCX_TLS (aliases expanded: rc, ud, dc, sm, cuda, ...) must have at least one
-     resource, otherwise the instances would silently fall back or fail at the first KV transfer.
+     resource, otherwise the instances would silently fall back or fail at the first KV transfer;
+  5. list the shared libraries mapped both from NIXL's wheel and from the system (`loaded_twice`): UCX's efa
+     module (libuct_ib_efa) links the system libefa, which brings the system libibverbs/libnl-3/libnl-route-3
+     next to the wheel's own copies, and the process then crashes at exit (SIGSEGV in libnl-route's
+     destructor). The role fails on the exit status; this list says why.
 Prints one JSON object on stdout. Only reads; changes nothing.
 """
 import ctypes
@@ -97,6 +101,26 @@ def parse_resources(text):
     return resources
 
 
+def _lib_name(path):
+    """'/x/nixl_cu13.libs/libnl-route-3-3ad497a3.so.200.26.0' -> 'libnl-route-3' (auditwheel's hash dropped)."""
+    name = os.path.basename(path).split(".so", 1)[0]
+    return re.sub(r"-[0-9a-f]{8}$", "", name)
+
+
+def loaded_twice(maps_text, bundled_dir):
+    """Library names mapped both from under `bundled_dir` (NIXL's wheel) and from elsewhere, from
+    /proc/<pid>/maps text: [{"name", "bundled", "system"}], sorted by name."""
+    bundled_dir = bundled_dir.rstrip("/") + "/"
+    bundled, other = {}, {}
+    for line in maps_text.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) < 6 or not fields[5].startswith("/") or ".so" not in os.path.basename(fields[5]):
+            continue
+        path = fields[5].strip()
+        (bundled if path.startswith(bundled_dir) else other).setdefault(_lib_name(path), path)
+    return [{"name": n, "bundled": bundled[n], "system": other[n]} for n in sorted(set(bundled) & set(other))]
+
+
 def missing_transports(ucx_tls, transports):
     """UCX_TLS entries with no usable transport among `transports`."""
     have = set(transports)
@@ -123,6 +147,8 @@ def main():
         report["ucx_mem_types"] = list(agent.backend_mems.get("UCX", []))
         libdir = os.path.join(os.path.dirname(os.path.dirname(pkg.__file__)), f"{pkg.__name__}.libs") if pkg else ""
         report["ucx_version"], resources = ucx_resources(libdir)
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            report["loaded_twice"] = loaded_twice(f.read(), os.path.realpath(libdir))
         report["resources"] = [f"{tl}/{dev}" for tl, dev in resources]
         transports = sorted({tl for tl, _ in resources})
         report["transports"] = transports
