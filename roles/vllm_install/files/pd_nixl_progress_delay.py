@@ -2,7 +2,7 @@
 
 NIXL's Python API creates its agent with ``pthrDelay = 0``: the UCX progress thread then calls ``poll()``
 with a zero timeout in a loop and burns a whole core per vLLM worker, busy or idle. That is NIXL's choice
-for GPU servers with cores to spare; on small CPU-only hosts (the embedded default: 3 engines on 2 cores) it
+for GPU servers with cores to spare; on small CPU-only hosts (3 engines on 2 cores) it
 starves the engines themselves. This plugin sets ``pthrDelay`` to ``$PD_NIXL_PROGRESS_DELAY_US``
 microseconds (NIXL rounds it up to whole milliseconds): the thread then sleeps in ``poll()`` until UCX has
 work or the delay passes. vLLM loads it in every process through the ``vllm.general_plugins`` entry point.
