@@ -88,7 +88,7 @@ def inventory() -> dict:
     }
 
 
-def testhosts(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_testhosts(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return run([str(ROOT / "scripts" / "testhosts"), *args], timeout=timeout)
 
 
@@ -108,10 +108,10 @@ def complete_through_router(inventory: dict, prompt: str = "Q: 3+4= A:", max_tok
 def stack(inventory):
     """Test hosts for the whole session; torn down at the end unless PD_KEEP_STACK=1."""
     t0 = time.monotonic()
-    testhosts("up", "--env", "local")
+    run_testhosts("up", "--env", "local")
     yield {"hosts_up_s": round(time.monotonic() - t0, 1)}
     if os.environ.get("PD_KEEP_STACK") != "1":
-        testhosts("down", "--env", "local", timeout=300)
+        run_testhosts("down", "--env", "local", timeout=300)
 
 
 def test_site_brings_the_stack_up_and_verify_passes(stack, inventory):
