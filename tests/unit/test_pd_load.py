@@ -380,7 +380,9 @@ def test_rate_schedule_sends_rate_times_duration(server_factory):
     assert (rep["sent"], rep["completed"], rep["failed"]) == (20, 20, 0)
     assert rep["stop_reason"] == "duration"
     t = sorted(r["t"] for r in srv.requests)
-    assert 0.4 <= t[-1] - t[0] <= 1.5  # spread over the half second (last one due at 0.475 s), not one burst
+    # Spread over the half second (last one due at 0.475 s), not one burst. Server-side arrival times: on a
+    # loaded machine the first arrival can lag its schedule more than the last, so the lower bound is loose.
+    assert 0.2 <= t[-1] - t[0] <= 1.5
 
 
 def test_rate_late_starts_when_the_cap_is_reached(server_factory):
