@@ -1,0 +1,210 @@
+"""roles/pd_rollout task files run by ansible-playbook on localhost against the real vllm-router 0.1.17 (IGW) and
+stub vLLM instances: route.yml (drain, colocated fallback, back), wait_idle.yml (drain wait on /metrics, bounded
+with a clear error), ready.yml and smoke.yml (warm-up, P/D through the instance with kv_transfer_params, token
+comparison, KV-transfer counter). switch.yml/restore.yml need systemd and vllm_serve on a real host: the live
+stack run is in docs/upgrades.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_pd_router_workers import call, router  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "roles" / "pd_router" / "files" / "pd_router_workers.py"
+
+
+class Instance:
+    """A stub vLLM instance: /health, /v1/models, /metrics (queue, KV-transfer counter), /v1/completions with
+    the NIXL P/D protocol (prefill answers kv_transfer_params, decode consumes them). Greedy output is the same
+    text whichever way a request is served."""
+
+    def __init__(self, name, text="tok tok tok"):
+        self.name, self.text, self.log = name, text, []
+        self.running, self.kv_tokens = 0, 0.0
+        self.pd_text, self.count_kv = None, True  # faults: P/D answer differs, no KV-transfer counted
+        inst = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, obj, ctype="application/json"):
+                body = (json.dumps(obj) if ctype == "application/json" else obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    return self._send(200, {})
+                if self.path == "/v1/models":
+                    return self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+                if self.path == "/metrics":
+                    return self._send(200, (
+                        f'vllm:num_requests_running{{engine="0",model_name="m"}} {inst.running}.0\n'
+                        'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+                        'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} '
+                        f'{inst.kv_tokens}\n'), "text/plain")
+                return self._send(404, {})
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                kv = req.get("kv_transfer_params")
+                n = int(req.get("max_tokens") or 1)
+                out = {"id": "c", "object": "text_completion", "model": "m",
+                       "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}}
+                if kv and kv.get("do_remote_decode"):
+                    inst.log.append("prefill")
+                    out["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": inst.name,
+                                                 "remote_block_ids": [1], "remote_host": "h", "remote_port": 1}
+                    text = inst.text.split()[0]
+                else:
+                    inst.log.append(f"decode-after-{kv['remote_engine_id']}" if kv else "whole")
+                    if kv and inst.count_kv:
+                        inst.kv_tokens += 5
+                    text = inst.pd_text if kv and inst.pd_text else inst.text
+                out["choices"] = [{"index": 0, "text": text, "finish_reason": "length"}]
+                return self._send(200, out)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+PLAYBOOK = """
+- name: State of the stub instances
+  hosts: vllm_hosts
+  gather_facts: false
+  tasks:
+    - name: Every instance has compatibility key k
+      ansible.builtin.set_fact:
+        pd_rollout_state: "{{ dict(pd_instances | map(attribute='name') | zip([{'key': 'k', 'python': '/p',
+                              'venv': '/v', 'vllm': '1', 'nixl': '1'}] * (pd_instances | length))) }}"
+
+- name: Register the topology
+  hosts: hp
+  gather_facts: false
+  tasks:
+    - name: Route with nothing out
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
+      vars: {_pd_rollout_out: []}
+
+- name: One decode instance out, checked, back
+  hosts: hd
+  gather_facts: false
+  vars:
+    _pd_rollout_inst: "{{ pd_instances[0] }}"
+    _pd_rollout_url: "http://127.0.0.1:{{ pd_instances[0].http_port }}"
+    _pd_rollout_topology: "{{ groups | pd_rollout_topology(hostvars, 'vllm_hosts') }}"
+    _pd_rollout_req: {model: m, prompt: hi, max_tokens: 3, temperature: 0, ignore_eos: true}
+  tasks:
+    - name: Drain
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
+      vars: {_pd_rollout_out: [decode-0], _pd_rollout_target_key: k}
+    - name: Mode while out
+      ansible.builtin.copy:
+        content: "{{ {'mode': _pd_rollout_wanted | pd_rollout_routing_mode, 'route': _pd_rollout_route} | to_json }}"
+        dest: "{{ out_dir }}/out.json"
+        mode: "0644"
+    - name: Wait idle
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: wait_idle.yml}
+    - name: Ready
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: ready.yml}
+    - name: Smoke
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: smoke.yml}
+      vars: {_pd_rollout_key: k}
+    - name: Back
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
+      vars: {_pd_rollout_out: [], _pd_rollout_target_key: k}
+    - name: Mode after
+      ansible.builtin.copy:
+        content: "{{ {'mode': _pd_rollout_wanted | pd_rollout_routing_mode, 'route': _pd_rollout_route,
+                      'partner': _pd_rollout_partner} | to_json }}"
+        dest: "{{ out_dir }}/in.json"
+        mode: "0644"
+"""
+
+
+def inventory(tmp_path, p0, p1, d0, router_url):
+    common = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+              "ansible_host": "127.0.0.1"}
+    inv = {"all": {
+        "vars": {"pd_served_model_name": "m", "pd_rollout_router_host": "hp", "pd_rollout_router_url": router_url,
+                 "pd_rollout_router_python": sys.executable, "pd_rollout_router_tool": str(TOOL),
+                 "pd_rollout_drain_settle_s": 0, "pd_rollout_drain_poll_s": 1, "pd_rollout_smoke_max_tokens": 3,
+                 "out_dir": str(tmp_path)},
+        "children": {"vllm_hosts": {"hosts": {
+            "hp": {**common, "pd_instances": [
+                {"name": "prefill-0", "pool": "prefill", "http_port": p0.port},
+                {"name": "prefill-1", "pool": "prefill", "http_port": p1.port}]},
+            "hd": {**common, "pd_instances": [{"name": "decode-0", "pool": "decode", "http_port": d0.port}]},
+        }}}}}
+    path = tmp_path / "inv.yml"
+    path.write_text(yaml.safe_dump(inv))
+    return path
+
+
+def run(tmp_path, inv, playbook, extra=()):
+    pb = tmp_path / "pb.yml"
+    pb.write_text(textwrap.dedent(playbook))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ROOT / "roles"),
+               ANSIBLE_FACT_CACHING="memory")
+    return subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv), str(pb), *extra],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
+
+
+def test_drain_decode_fallback_checks_and_back(tmp_path):
+    p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
+    with router("--enable-igw") as base:
+        inv = inventory(tmp_path, p0, p1, d0, base)
+        p = run(tmp_path, inv, PLAYBOOK)
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        out = json.loads((tmp_path / "out.json").read_text())
+        back = json.loads((tmp_path / "in.json").read_text())
+        assert out["mode"] == "colocated" and out["route"]["broken_states"] == 1
+        assert back["mode"] == "pd" and back["partner"] in ("prefill-0", "prefill-1")
+        # The P/D smoke went through the decode instance with a prefill partner; the warm-up ran alone.
+        assert "whole" in d0.log and any(x.startswith("decode-after-p") for x in d0.log)
+        assert "prefill" in p0.log + p1.log
+        status, text = call("GET", base + "/workers")
+        reg = {w["url"]: w["worker_type"] for w in json.loads(text)["workers"]}
+        assert reg == {f"http://127.0.0.1:{p0.port}": "prefill", f"http://127.0.0.1:{p1.port}": "prefill",
+                       f"http://127.0.0.1:{d0.port}": "decode"}
+
+
+@pytest.mark.parametrize("fault", ["busy", "pd_text", "no_kv"])
+def test_failures_stop_with_a_clear_message(tmp_path, fault):
+    p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
+    pb = PLAYBOOK
+    if fault == "busy":
+        d0.running = 3
+        pb = PLAYBOOK.replace("    - name: Wait idle\n",
+                              "    - name: Wait idle\n      vars: {pd_rollout_drain_timeout_s: 2}\n")
+        want = "still has 3 running + waiting requests 2 s after it left the router"
+    elif fault == "pd_text":
+        d0.pd_text = "garbage after transfer"
+        want = 'vs alone "tok tok tok"'
+    else:
+        d0.count_kv = False
+        want = "external_kv_transfer prompt tokens 0.0 -> 0.0"
+    with router("--enable-igw") as base:
+        p = run(tmp_path, inventory(tmp_path, p0, p1, d0, base), pb)
+    assert p.returncode != 0
+    assert want in " ".join(p.stdout.split()), p.stdout[-3000:]
