@@ -208,3 +208,46 @@ def test_failures_stop_with_a_clear_message(tmp_path, fault):
         p = run(tmp_path, inventory(tmp_path, p0, p1, d0, base), pb)
     assert p.returncode != 0
     assert want in " ".join(p.stdout.split()), p.stdout[-3000:]
+
+
+INSTANCE_PLAYBOOK = """
+- name: State and target of the stub instances
+  hosts: vllm_hosts
+  gather_facts: false
+  tasks:
+    - name: Every instance has compatibility key k and a differing target
+      ansible.builtin.set_fact:
+        pd_rollout_state: "{{ dict(pd_instances | map(attribute='name') | zip([{'key': 'k', 'python': '/p',
+                              'venv': '/v', 'vllm': '1', 'nixl': '1'}] * (pd_instances | length))) }}"
+        pd_rollout_target: "{{ dict(pd_instances | map(attribute='name') | zip([{'key': 'k', 'python': '/q',
+                               'venv': '/w', 'vllm': '1', 'nixl': '1', 'differs': true}] * (pd_instances | length))) }}"
+
+- name: Register the topology
+  hosts: hp
+  gather_facts: false
+  tasks:
+    - name: Route with nothing out
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
+      vars: {_pd_rollout_out: []}
+
+- name: Roll the decode instance (no unit file here, so it fails before the drain)
+  hosts: hd
+  gather_facts: false
+  tasks:
+    - name: Roll
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: instance.yml}
+      vars: {_pd_rollout_inst: "{{ pd_instances[0] }}", pd_rollout_state_dir: "{{ out_dir }}/state"}
+"""
+
+
+def test_instance_failure_before_the_restart_puts_it_back_and_says_nothing_restarted(tmp_path):
+    p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
+    with router("--enable-igw") as base:
+        p = run(tmp_path, inventory(tmp_path, p0, p1, d0, base), INSTANCE_PLAYBOOK)
+        status, text = call("GET", base + "/workers")
+    out = " ".join(p.stdout.split())
+    assert p.returncode != 0
+    assert "pd_rollout: decode-0 on hd failed at stage 'drain'" in out, p.stdout[-3000:]
+    assert "Nothing was restarted; decode-0 is back in the router." in out
+    reg = {w["url"]: w["worker_type"] for w in json.loads(text)["workers"]}
+    assert reg[f"http://127.0.0.1:{d0.port}"] == "decode" and len(reg) == 3
