@@ -106,8 +106,9 @@ def kill_instance(stack: Stack, pool: str, timeout: float) -> dict:
     t0 = time.monotonic()
 
     def healthy_again() -> bool:
-        out = stack.run(inst["host"], f"systemctl show -p NRestarts --value {unit}; "
-                        f"curl -s -o /dev/null -w '%{{http_code}}' -m 5 http://127.0.0.1:{inst['http_port']}/health",
+        # One line: ansible's one-line output (-o) escapes newlines.
+        out = stack.run(inst["host"], f"echo $(systemctl show -p NRestarts --value {unit}) "
+                        f"$(curl -s -o /dev/null -w '%{{http_code}}' -m 5 http://127.0.0.1:{inst['http_port']}/health)",
                         check=False)
         lines = out.split()
         return len(lines) == 2 and int(lines[0]) > before and lines[1] == "200"
