@@ -153,8 +153,9 @@ def test_prometheus_scrapes_every_target_and_has_per_pool_ttft(inventory):
 
 
 def test_second_site_run_changes_nothing():
+    # verify changes nothing and passed above; skipping it keeps this to the converging plays.
     t0 = time.monotonic()
-    proc = playbook("site.yml", timeout=2400)
+    proc = playbook("site.yml", "--skip-tags", "verify", timeout=2400)
     changed = {h: r["changed"] for h, r in recap(proc.stdout).items() if r.get("changed")}
     record("idempotence", {"site_second_run_s": round(time.monotonic() - t0, 1), "changed": changed})
     assert not changed, f"second run changed something: {changed}"
