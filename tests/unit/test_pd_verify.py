@@ -45,6 +45,7 @@ class State:
         self.expose_kv_metrics = True
         self.models = {"prefill-0": [MODEL], "decode-0": [MODEL], "router": [MODEL]}
         self.health = {"prefill-0": 200, "decode-0": 200, "router": 200}
+        self.router_igw = False  # router answers /v1/models as vllm-router in IGW mode does
         self.answers = {}  # prompt -> text the model answers
         self.ttft_s = 0.0
         self.token_s = 0.0
@@ -69,6 +70,8 @@ def make_handler(name, st):
             if path == "/health":
                 return self._send(st.health[name], {})
             if path == "/v1/models":
+                if name == "router" and st.router_igw:  # vllm-router --enable-igw's own shape
+                    return self._send(200, {"models": st.models[name]})
                 return self._send(200, {"object": "list", "data": [{"id": m} for m in st.models[name]]})
             if path == "/metrics" and name == "decode-0":
                 lines = ["# HELP vllm:num_requests_running x", f'vllm:num_requests_running{{model_name="{MODEL}"}} 0']
@@ -271,6 +274,17 @@ def test_wrong_model_and_unhealthy_router_are_named(cluster):
     assert "decode-0" in errs and "not the served model 'tiny-pd'" in errs
     assert "router" in errs and "HTTP 503" in errs
     assert "prefill-0" not in errs
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_readiness_reads_the_igw_routers_model_list(cluster, served):
+    cluster.st.router_igw = True
+    if not served:
+        cluster.st.models["router"] = ["other-model"]
+    rep = pv.run_all(cluster.config(readiness={"retries": 1, "delay_s": 0}), steps=("readiness",))
+    assert rep["ok"] is served, rep["failures"]
+    if not served:
+        assert "router" in " | ".join(rep["steps"]["readiness"]["errors"])
 
 
 def test_readiness_retries_until_ready(cluster):

@@ -220,7 +220,10 @@ def check_endpoint(name, base_url, model, *, retries=30, delay=5.0, timeout=10.0
         st, body = http_get(base_url + "/v1/models", timeout=timeout, api_key=api_key)
         if st != 200:
             raise HttpError(f"GET {base_url}/v1/models: HTTP {st}")
-        ids = [m.get("id") for m in (json.loads(body).get("data") or [])]
+        doc = json.loads(body)
+        ids = [m.get("id") for m in (doc.get("data") or [])]
+        # vllm-router in IGW mode (pd_router_igw, needed for rolling upgrades) answers {"models": [name, ...]}.
+        ids += [m for m in (doc.get("models") or []) if isinstance(m, str)]
         if model not in ids:
             raise ValueError(f"GET {base_url}/v1/models lists {ids}, not the served model '{model}'")
         return ids
