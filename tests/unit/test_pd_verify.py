@@ -329,6 +329,18 @@ def test_accuracy_score_against_threshold_from_eval_file(cluster, tmp_path):
     assert not acc["ok"] and "below pd_verify_accuracy_min 0.9" in acc["errors"][0]
 
 
+def test_accuracy_max_items_scores_an_evenly_spaced_subset(cluster, tmp_path):
+    items = [{"prompt": f"Q: copy w{i}\nA:", "answer": f"w{i}"} for i in range(10)]
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(i) for i in items) + "\n")
+    for it in items:
+        cluster.st.answers[it["prompt"]] = " " + it["answer"]
+    acc = pv.run_all(cluster.config(accuracy={"eval_file": str(tmp_path / "eval.jsonl"), "min_score": 0.8,
+                                              "max_items": 4}), steps=("accuracy",))["steps"]["accuracy"]
+    assert acc["ok"] and acc["n"] == 4 and acc["n_available"] == 10
+    asked = [body["prompt"] for name, path, body in cluster.st.requests if path == "/v1/completions"]
+    assert sorted(asked) == sorted(items[i]["prompt"] for i in (0, 2, 5, 7))
+
+
 def test_accuracy_chat_mode_with_inline_items(cluster):
     cluster.st.answers = {"What is 17 * 23?": "It is 391.", "Capital of Australia?": "Sydney"}
     cfg = cluster.config(accuracy={"inline": [{"question": "What is 17 * 23?", "answer": "391"},

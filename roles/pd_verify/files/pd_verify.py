@@ -470,6 +470,10 @@ def step_accuracy(cfg):
     items = load_eval(a.get("eval_file"), a.get("inline"))
     if not items:
         return {"ok": False, "errors": ["accuracy: the eval set is empty"]}
+    available = len(items)
+    limit = int(a.get("max_items") or 0)
+    if 0 < limit < available:  # evenly spaced, so every kind of item in an ordered set stays represented
+        items = [items[i * available // limit] for i in range(limit)]
     results, errors = [], []
 
     def run(it):
@@ -498,7 +502,7 @@ def step_accuracy(cfg):
     if not passed:
         errors.append(f"accuracy {score:.3f} below pd_verify_accuracy_min {a['min_score']}")
     return {"ok": passed and not any(r.get("error") for r in results), "score": round(score, 4),
-            "min_score": a["min_score"], "n": len(results), "results": results,
+            "min_score": a["min_score"], "n": len(results), "n_available": available, "results": results,
             "reference_scores": a.get("reference_scores") or {}, "errors": errors}
 
 
