@@ -1,8 +1,9 @@
 """The embedded default end to end: inventory/local comes up from scratch on real test hosts.
 
 Runs in order (pytest -x): bring-up + verify report, Prometheus targets, a second site.yml run with
-changed=0, and a kill -9 of the decode engine that systemd must recover from. Every address, port and
-instance name comes from the inventory (ansible-inventory), none is written here.
+changed=0, a kill -9 of the decode engine that systemd must recover from, and (marker `upgrade`, only in
+`scripts/test upgrade`) a rolling flag change of every instance under load with 0 failed requests. Every address,
+port and instance name comes from the inventory (ansible-inventory), none is written here.
 
 Figures are printed as one JSON line per test and written to reports/ci/<test>.json.
 """
@@ -190,3 +191,59 @@ def test_killed_decode_engine_is_restarted_and_routing_resumes(inventory):
     record("kill-decode", {"recovered_s": round(time.monotonic() - t0, 1), "failed_probes": failed_probes,
                            "nrestarts_before": before, "nrestarts_after": after})
     assert after == before + 1
+
+
+@pytest.mark.upgrade
+def test_rolling_flag_change_under_load_drops_no_request(inventory):
+    """playbooks/rolling_upgrade.yml (the path a version change takes, minus the pip install) under steady load.
+
+    A flag outside NIXL's compatibility hash changes for every instance, so all three are drained, restarted,
+    checked and put back one at a time while the decode restart is served colocated by the prefill pool.
+    """
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from pd_load import LoadGenerator
+
+    router = inventory["router_host"]
+    t0 = time.monotonic()
+    # The documented first step (docs/runbooks/rolling-upgrade.md): the router must run in IGW mode to drain.
+    playbook("playbooks/deploy.yml", "--limit", router, "-e", "pd_router_igw=true", timeout=1200)
+    deadline = time.monotonic() + 180
+    while True:  # the router restarted: wait until it routes again before the load starts
+        try:
+            if complete_through_router(inventory).get("choices"):
+                break
+        except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError):
+            pass
+        assert time.monotonic() < deadline, "router in IGW mode did not route within 180 s"
+        time.sleep(3)
+    router_igw_s = round(time.monotonic() - t0, 1)
+
+    first_vllm = next(i["host"] for i in inventory["instances"])
+    flags = dict(inventory["hostvars"][first_vllm]["pd_vllm_flags_common"])
+    flags["max-num-seqs"] = 8 if flags.get("max-num-seqs") != 8 else 16
+    before = set(REPORTS.parent.glob("rolling_upgrade-*.json"))
+    gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], concurrency=2, max_tokens=8,
+                        prompt_words=32, timeout=300)
+    gen.start()
+    t1 = time.monotonic()
+    try:
+        proc = run([str(VENV_BIN / "ansible-playbook"), "-i", INVENTORY, "playbooks/rolling_upgrade.yml",
+                    "-e", json.dumps({"pd_vllm_flags_common": flags})], timeout=3000, check=False)
+    finally:
+        load = gen.stop()
+    upgrade_s = round(time.monotonic() - t1, 1)
+    new_reports = sorted(set(REPORTS.parent.glob("rolling_upgrade-*.json")) - before)
+    instances = json.loads(new_reports[-1].read_text())["instances"] if new_reports else []
+    record("rolling-upgrade", {
+        "router_to_igw_s": router_igw_s, "rolling_upgrade_s": upgrade_s,
+        "flag": {"max-num-seqs": flags["max-num-seqs"]},
+        "load": {k: load.get(k) for k in ("sent", "completed", "failed", "failures", "error_samples",
+                                          "latency_s", "longest_completion_gap_s")},
+        "instances": instances})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert sorted(i["instance"] for i in instances) == sorted(i["name"] for i in inventory["instances"]), instances
+    decode = next(i for i in instances if i["pool"] == "decode")
+    assert decode["served_meanwhile"] == "colocated", decode
+    assert load["completed"] > 0 and load["failed"] == 0, (load["failures"], load["error_samples"])
