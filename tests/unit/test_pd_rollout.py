@@ -204,6 +204,28 @@ def test_compat_key_follows_versions_and_compat_flags_only():
         ro.pd_rollout_compat_key({"nixl": "1.5.1"}, argv, FLAGS)
 
 
+@pytest.mark.parametrize("inv", ["local", "b300"])
+def test_prefill_and_decode_of_one_version_share_a_key(inv):
+    # Their --kv-transfer-config differs in kv_role, b300's --speculative-config in num_speculative_tokens: neither
+    # is in vLLM's NIXL hash, so P/D stays paired during a rollout (a key that included them sent every rollout
+    # colocated from its first step).
+    data = load_inventory(inv)
+    keys = {}
+    for hv in data["hosts"].values():
+        for inst in hv["pd_instances"]:
+            argv = ro.pd_rollout_unit_exec(render_unit(data["recipe"], inst, "/opt/v/bin/python", "vllm"))["argv"]
+            keys.setdefault(inst["pool"], set()).add(ro.pd_rollout_compat_key({"vllm": "0.32.0", "nixl": "1.5.1"},
+                                                                               argv, FLAGS))
+    assert len(keys["prefill"] | keys["decode"]) == 1, keys
+    kv = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
+    other = '{"kv_connector": "OtherConnector", "kv_role": "kv_producer"}'
+    assert (ro.pd_rollout_compat_key({"vllm": "1"}, ["--kv-transfer-config", kv], FLAGS)
+            != ro.pd_rollout_compat_key({"vllm": "1"}, ["--kv-transfer-config", other], FLAGS))
+    mtp, eagle = '{"method": "mtp", "num_speculative_tokens": 1}', '{"method": "eagle3", "num_speculative_tokens": 1}'
+    assert (ro.pd_rollout_compat_key({"vllm": "1"}, ["--speculative-config", mtp], FLAGS)
+            != ro.pd_rollout_compat_key({"vllm": "1"}, ["--speculative-config", eagle], FLAGS))
+
+
 def test_keys_come_from_every_host_state():
     hv = {"a": {"pd_rollout_state": {"p": {"key": "k1"}}}, "b": {"pd_rollout_state": {"d": {"key": "k2"}}}}
     assert ro.pd_rollout_keys({"vllm_hosts": ["a", "b"]}, hv) == {"p": "k1", "d": "k2"}

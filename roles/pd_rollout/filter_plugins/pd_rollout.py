@@ -190,6 +190,26 @@ def pd_rollout_unit_exec(unit_text):
     return None
 
 
+# JSON fields of compat flags that differ between a prefill and a decode instance by design and are not in vLLM's
+# NIXL compatibility hash (nixl/metadata.py): the kv role and per-instance addresses, and the number of speculative
+# tokens (the recipe runs MTP 1 on prefill, MTP 3 on decode; the hash takes the method and draft model only).
+# Without dropping them no prefill instance would ever have the key of a decode instance.
+_NOT_HASHED = {
+    "kv-transfer-config": ("kv_role", "engine_id", "kv_rank", "kv_ip", "kv_port", "kv_parallel_size"),
+    "speculative-config": ("num_speculative_tokens",),
+}
+
+
+def _hashed_part(flag, value):
+    try:
+        cfg = json.loads(value)
+    except (TypeError, ValueError):
+        return value
+    if not isinstance(cfg, dict):
+        return value
+    return {k: v for k, v in cfg.items() if k not in _NOT_HASHED[flag]}
+
+
 def _flag_values(argv, flags):
     vals = {}
     for flag in flags:
@@ -200,6 +220,9 @@ def _flag_values(argv, flags):
                 vals[flag] = True if nxt.startswith("--") or nxt == "" else nxt
             elif a.startswith(opt + "="):
                 vals[flag] = a.split("=", 1)[1]
+    for flag in _NOT_HASHED:
+        if flag in vals:
+            vals[flag] = _hashed_part(flag, vals[flag])
     return vals
 
 
