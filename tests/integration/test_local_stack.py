@@ -246,4 +246,10 @@ def test_rolling_flag_change_under_load_drops_no_request(inventory):
     assert sorted(i["instance"] for i in instances) == sorted(i["name"] for i in inventory["instances"]), instances
     decode = next(i for i in instances if i["pool"] == "decode")
     assert decode["served_meanwhile"] == "colocated", decode
+    # Prefill instances roll while the other prefill + decode pair serves P/D; P/D resumes at the end.
+    assert all(i["served_meanwhile"] == "pd" for i in instances if i["pool"] == "prefill"), instances
+    registry = json.loads(host_cmd(router, "/opt/vllm-router/current/bin/python /opt/vllm-router/bin/pd-router-workers"
+                                           f" --router http://127.0.0.1:{inventory['hostvars'][router]['pd_router_port']}"
+                                           " list"))
+    assert sorted({w["worker_type"] for w in registry["workers"]}) == ["decode", "prefill"], registry
     assert load["completed"] > 0 and load["failed"] == 0, (load["failures"], load["error_samples"])
