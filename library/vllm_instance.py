@@ -54,6 +54,14 @@ options:
     description: Seconds the vLLM parser check may take (importing vLLM and torch is slow on a cold host).
     type: int
     default: 300
+  validate_cache:
+    description:
+      - JSON file on the host that remembers argvs vLLM's parser accepted, keyed by the argv, the interpreter and
+        a fingerprint of its venv (the C(site-packages) directory's mtime and its C(*.dist-info) names, so any pip
+        change to the venv misses). A hit skips the parser run (importing vLLM takes minutes on a loaded host).
+      - Only accepted argvs are recorded; a rejection always runs the parser. Not written in check mode.
+      - Unset (the default) means no cache.
+    type: path
   user:
     description: The unprivileged user the instance runs as.
     type: str
@@ -167,12 +175,18 @@ vllm_version:
   description: The vLLM version whose parser validated the flags.
   returned: when flags_validated
   type: str
+flags_validation_cached:
+  description: True when the flags were accepted earlier by the same interpreter and venv (O(validate_cache)).
+  returned: always
+  type: bool
 """
 
 import grp  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 from ansible.module_utils.pd_recipe import (  # noqa: E402
@@ -304,6 +318,42 @@ def validate_with_vllm(module, python, argv, name, timeout=300):
     return False, None  # not reached
 
 
+VALIDATE_CACHE_MAX = 256
+
+
+def venv_fingerprint(python):
+    """What changes whenever pip changes the venv of `python`: site-packages' mtime and its dist-info names."""
+    venv = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(python))))
+    parts = [venv]
+    lib = os.path.join(venv, "lib")
+    for pyver in sorted(os.listdir(lib)) if os.path.isdir(lib) else []:
+        sp = os.path.join(lib, pyver, "site-packages")
+        if os.path.isdir(sp):
+            parts.append(f"{sp}:{os.stat(sp).st_mtime_ns}")
+            parts.extend(sorted(n for n in os.listdir(sp) if n.endswith(".dist-info")))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def validate_cache_key(python, argv):
+    blob = json.dumps([os.path.abspath(python), venv_fingerprint(python), argv], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def read_validate_cache(path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # missing or damaged: validate again and rewrite it
+
+
+def write_validate_cache(path, entries):
+    keep = sorted(entries.items(), key=lambda kv: kv[1].get("at", 0))[-VALIDATE_CACHE_MAX:]
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    atomic_write(path, json.dumps(dict(keep), sort_keys=True, indent=1) + "\n", 0o644, None, None)
+
+
 def read_text(path):
     try:
         with open(path, encoding="utf-8") as fh:
@@ -368,6 +418,7 @@ def main():
             validate_python=dict(type="path"),
             validate_flags=dict(type="bool", default=True),
             validate_timeout=dict(type="int", default=300),
+            validate_cache=dict(type="path"),
             user=dict(type="str", default="vllm"),
             group=dict(type="str"),
             unit_dir=dict(type="path", default="/etc/systemd/system"),
@@ -416,12 +467,24 @@ def main():
         env_path=env_path,
         argv=argv,
         flags_validated=False,
+        flags_validation_cached=False,
     )
 
     if p["validate_flags"]:
-        validated, version = validate_with_vllm(
-            module, p["validate_python"] or p["python"], argv, name, p["validate_timeout"]
-        )
+        vpython = p["validate_python"] or p["python"]
+        cache_path, key, cache = p["validate_cache"], None, {}
+        if cache_path and os.path.exists(vpython):
+            key = validate_cache_key(vpython, argv)
+            cache = read_validate_cache(cache_path)
+        if key and key in cache:
+            validated, version = True, cache[key].get("version")
+            result["flags_validation_cached"] = True
+        else:
+            validated, version = validate_with_vllm(module, vpython, argv, name, p["validate_timeout"])
+            if validated and key and not module.check_mode:
+                key = validate_cache_key(vpython, argv)  # again: a first import may have added a __pycache__ there
+                cache[key] = {"version": version, "at": int(time.time()), "instance": name}
+                write_validate_cache(cache_path, cache)
         result["flags_validated"] = validated
         if version:
             result["vllm_version"] = version

@@ -95,6 +95,45 @@ def test_first_run_writes_then_second_run_is_unchanged(env, monkeypatch):
     assert not res2["changed"] and not res2["restart_required"] and not res2["created"]
 
 
+def test_validate_cache_skips_the_parser_until_the_argv_or_the_venv_changes(env, monkeypatch):
+    sp = env["tmp"] / "venv" / "lib" / "python3.11" / "site-packages"
+    (sp / "vllm-0.32.0.dist-info").mkdir(parents=True)
+    cache = env["tmp"] / "rollout" / "flags-validated.json"
+    args = dict(env["args"], validate_cache=str(cache))
+    calls = []
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert not failed and res["flags_validated"] and not res["flags_validation_cached"] and len(calls) == 1
+    assert len(json.loads(cache.read_text())) == 1
+    # same argv, same venv: no parser run, still reported as validated by that version
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert not failed and res["flags_validated"] and res["flags_validation_cached"] and len(calls) == 1
+    assert res["vllm_version"] == "0.32.0"
+    # another flag: parsed again
+    other = dict(args, instance=dict(args["instance"], extra_flags={"max-num-seqs": 8}))
+    run_module(vllm_instance.main, other, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert len(calls) == 2
+    # pip changed the venv (a package replaced): the old entries miss
+    (sp / "vllm-0.32.0.dist-info").rename(sp / "vllm-0.33.0.dist-info")
+    res, _ = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert len(calls) == 3 and not res["flags_validation_cached"]
+
+
+def test_validate_cache_never_records_a_rejection_or_a_check_mode_run(env, monkeypatch):
+    cache = env["tmp"] / "flags-validated.json"
+    bad = dict(env["args"], validate_cache=str(cache),
+               instance=dict(env["args"]["instance"], extra_flags={"max-num-seqz": 4}))
+    res, failed = run_module(vllm_instance.main, bad, run_command=rejecting_parser("unrecognized arguments"),
+                             monkeypatch=monkeypatch)
+    assert failed and not cache.exists()
+    ok = dict(env["args"], validate_cache=str(cache))
+    res, failed = run_module(vllm_instance.main, ok, check_mode=True, run_command=ok_parser([]),
+                             monkeypatch=monkeypatch)
+    assert not failed and not cache.exists()
+    cache.write_text("{not json")  # damaged: validated again and rewritten
+    res, failed = run_module(vllm_instance.main, ok, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed and not res["flags_validation_cached"] and len(json.loads(cache.read_text())) == 1
+
+
 def test_parser_rejection_fails_naming_flag_and_writes_nothing(env, monkeypatch):
     args = dict(env["args"])
     args["instance"] = dict(args["instance"], extra_flags={"max-num-seqz": 4})
