@@ -19,6 +19,11 @@ Scenarios:
                  (the served instance keeps its weights in memory), then run playbooks/provision.yml on that host:
                  model_weights' full verification must find the damaged file and fetch it again; recovered = the
                  playbook passed and the file's sha256 matches the manifest again
+  disk-full      fill the filesystem of pd_model_path on the decode host (refused when that is the host's root
+                 filesystem: the model path must be a disk of its own, as inventory/local's test hosts have), damage
+                 the largest weight file, run playbooks/provision.yml on the host: model_weights' disk preflight must
+                 refuse before writing anything (the served instances keep their weights in memory); then remove
+                 the filler and run provision.yml again; recovered = it passed and the file is intact again
 
 Every address, port and name comes from the inventory (ansible-inventory). Nothing here is specific to the local
 inventory except that the router's port must be reachable from where this runs.
@@ -40,7 +45,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from pd_load import LoadGenerator  # noqa: E402
 
 VENV_BIN = ROOT / ".venv" / "bin"
-SCENARIOS = ("kill-prefill", "kill-decode", "stop-router", "corrupt-shard")
+SCENARIOS = ("kill-prefill", "kill-decode", "stop-router", "corrupt-shard", "disk-full")
+FILLER = ".pd-fault-disk-full"
 
 
 def sh(cmd: list[str], timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -127,22 +133,68 @@ def stop_router(stack: Stack, down_s: float, timeout: float) -> dict:
     return {"down_s": down_s, "routing_after_start_s": wait_until(stack.completion_ok, timeout)}
 
 
-def corrupt_shard(stack: Stack, timeout: float) -> dict:
-    host = stack.first("decode")["host"]
+def largest_weight_file(stack: Stack, host: str) -> str:
     path = stack.hostvars[host]["pd_model_path"]
-    target = stack.run(host, f"find -L {path}/ -type f -printf '%s %p\\n' | sort -n | tail -1 | cut -d' ' -f2-")
-    before = stack.run(host, f"sha256sum {target} | cut -d' ' -f1")
+    return stack.run(host, f"find -L {path}/ -type f -printf '%s %p\\n' | sort -n | tail -1 | cut -d' ' -f2-")
+
+
+def damage(stack: Stack, host: str, target: str) -> None:
     stack.run(host, f"real=$(readlink -f {target}); size=$(stat -c %s $real); "
                     f"dd if=/dev/urandom of=$real bs=4096 count=1 seek=$((size / 8192)) conv=notrunc status=none")
-    damaged = stack.run(host, f"sha256sum {target} | cut -d' ' -f1")
-    t0 = time.monotonic()
-    proc = sh([str(VENV_BIN / "ansible-playbook"), "-i", stack.inventory, "playbooks/provision.yml", "--limit", host],
+
+
+def sha256(stack: Stack, host: str, target: str) -> str:
+    return stack.run(host, f"sha256sum {target} | cut -d' ' -f1")
+
+
+def provision(stack: Stack, host: str, timeout: float) -> subprocess.CompletedProcess:
+    return sh([str(VENV_BIN / "ansible-playbook"), "-i", stack.inventory, "playbooks/provision.yml", "--limit", host],
               timeout=int(timeout), check=False)
-    after = stack.run(host, f"sha256sum {target} | cut -d' ' -f1")
+
+
+def corrupt_shard(stack: Stack, timeout: float) -> dict:
+    host = stack.first("decode")["host"]
+    target = largest_weight_file(stack, host)
+    before = sha256(stack, host, target)
+    damage(stack, host, target)
+    damaged = sha256(stack, host, target)
+    t0 = time.monotonic()
+    proc = provision(stack, host, timeout)
+    after = sha256(stack, host, target)
     repair_lines = [ln.strip() for ln in proc.stdout.splitlines() if "fetched" in ln or "mismatch" in ln.lower()]
     return {"host": host, "file": target, "damaged": damaged != before, "playbook_rc": proc.returncode,
             "playbook_s": round(time.monotonic() - t0, 1), "restored": after == before,
             "model_weights_said": repair_lines[:4]}
+
+
+def disk_full(stack: Stack, timeout: float) -> dict:
+    host = stack.first("decode")["host"]
+    root = stack.hostvars[host].get("pd_model_root") or os.path.dirname(stack.hostvars[host]["pd_model_path"])
+    mount = stack.run(host, f"findmnt -n -o TARGET --target {root}")
+    if mount == "/":
+        raise RuntimeError(f"disk-full: {root} on {host} is on the root filesystem; filling it would fill the whole "
+                           "host. Run this scenario where the model path is a disk of its own.")
+    filler = f"{mount.rstrip('/')}/{FILLER}"
+    target = largest_weight_file(stack, host)
+    before = sha256(stack, host, target)
+    t0 = time.monotonic()
+    try:
+        # fallocate takes every free block at once; dd is the fallback where the filesystem lacks it.
+        stack.run(host, f"fallocate -l $(( $(stat -f -c '%a*%S' {mount}) )) {filler} || "
+                        f"dd if=/dev/zero of={filler} bs=1M status=none; sync; true")
+        free_kib = int(stack.run(host, f"df --output=avail -k {mount} | tail -1"))
+        damage(stack, host, target)
+        refused = provision(stack, host, timeout)
+        said = [ln.strip() for ln in (refused.stdout + refused.stderr).splitlines() if "disk space" in ln][:2]
+        damaged_after_refusal = sha256(stack, host, target) != before
+    finally:
+        stack.run(host, f"rm -f {filler}")
+    repaired = provision(stack, host, timeout)
+    return {"host": host, "filesystem": mount, "free_kib_when_full": free_kib,
+            "provision_when_full_rc": refused.returncode, "model_weights_said": said,
+            "file_untouched_by_refused_run": damaged_after_refusal,
+            "provision_after_free_rc": repaired.returncode, "restored": sha256(stack, host, target) == before,
+            "recovered_s": round(time.monotonic() - t0, 1)}
 
 
 def run_scenario(stack: Stack, name: str, args) -> dict:
@@ -160,6 +212,8 @@ def run_scenario(stack: Stack, name: str, args) -> dict:
         detail = stop_router(stack, args.router_down_s, args.recovery_timeout)
     elif name == "corrupt-shard":
         detail = corrupt_shard(stack, args.recovery_timeout)
+    elif name == "disk-full":
+        detail = disk_full(stack, args.recovery_timeout)
     else:
         raise ValueError(name)
     fault_s = round(time.monotonic() - t_fault, 1)

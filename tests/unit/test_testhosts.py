@@ -90,8 +90,10 @@ def test_inventory_hosts_walks_children_and_keeps_first_address():
 
 
 def test_local_bind_mounts_from_inventory():
-    hosts, binds = th.env_config_local()
+    hosts, binds, volumes = th.env_config_local()
     assert set(hosts) == {"pd-prefill-0", "pd-decode-0", "pd-router-0"}
+    # The model path is its own small filesystem, so the disk-full fault (bench/pd_faults.py) fills only it.
+    assert volumes == [("/srv/models", "256M")]
     assert (".cache/wheelhouse", "/srv/wheelhouse") in binds
     assert (".cache/model-src", "/srv/model-src") in binds
     assert (".cache/router-wheelhouse", "/srv/router-wheelhouse") in binds
@@ -128,3 +130,16 @@ def test_nft_ruleset_is_valid_nft_syntax():
     if p.returncode != 0 and "Operation not permitted" in p.stderr:
         pytest.skip("nft -c needs CAP_NET_ADMIN")
     assert p.returncode == 0, p.stderr
+
+
+def test_local_volume_needs_absolute_dest_and_size(tmp_path, monkeypatch):
+    inv = tmp_path / "inventory" / "local"
+    inv.mkdir(parents=True)
+    (inv / "hosts.yml").write_text("all:\n  hosts:\n    h1:\n      ansible_host: 10.238.9.11\n")
+    monkeypatch.setattr(th, "ROOT", tmp_path)
+    for bad in ("{dest: srv/models, size: 1G}", "{dest: /srv/models, size: 1T}", "{dest: /srv/models}"):
+        (inv / "testhosts.yml").write_text(f"local:\n  vars:\n    pd_testhosts_volumes: [{bad}]\n")
+        with pytest.raises(th.TesthostsError, match=r"pd_testhosts_volumes\[0\]"):
+            th.env_config_local()
+    (inv / "testhosts.yml").write_text("local:\n  vars:\n    pd_testhosts_volumes: [{dest: /srv/m, size: 64M}]\n")
+    assert th.env_config_local() == ({"h1": "10.238.9.11"}, [], [("/srv/m", "64M")])
