@@ -93,10 +93,20 @@ def run_testhosts(*args: str, timeout: int = 900) -> subprocess.CompletedProcess
     return run([str(ROOT / "scripts" / "testhosts"), *args], timeout=timeout)
 
 
-def host_cmd(host: str, command: str, timeout: int = 120, check: bool = True) -> str:
+def host_cmd(host: str, command: str, timeout: int = 120, check: bool = True, ssh_attempts: int = 5) -> str:
     # ssh joins the remote words with spaces for the remote shell: pass the command as one word.
-    return run([str(ROOT / "scripts" / "testhosts"), "ssh", "--env", "local", host, "--", command],
-               timeout=timeout, check=check).stdout
+    argv = [str(ROOT / "scripts" / "testhosts"), "ssh", "--env", "local", host, "--", command]
+    for _ in range(ssh_attempts - 1):
+        # 255 is ssh's own failure: under load (engines restarting) sshd can miss the 5 s banner timeout.
+        proc = run(argv, timeout=timeout, check=False)
+        if proc.returncode != 255:
+            break
+        time.sleep(5)
+    else:
+        proc = run(argv, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(argv)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc.stdout
 
 
 def complete_through_router(inventory: dict, prompt: str = "Q: 3+4= A:", max_tokens: int = 4) -> dict:
@@ -206,20 +216,18 @@ def test_rolling_flag_change_under_load_drops_no_request(inventory):
     from pd_load import LoadGenerator
 
     router = inventory["router_host"]
-    t0 = time.monotonic()
-    # The documented first step (docs/runbooks/rolling-upgrade.md): the router must run in IGW mode to drain.
-    playbook("playbooks/deploy.yml", "--limit", router, "-e", "pd_router_igw=true", timeout=1200)
-    deadline = time.monotonic() + 180
-    while True:  # the router restarted: wait until it routes again before the load starts
+    # inventory/local keeps the router in IGW mode (pd_router_igw), as a cluster that rolls does; the playbook's
+    # first play refuses a router that cannot drain.
+    assert inventory["hostvars"][router].get("pd_router_igw") is True, "inventory/local must set pd_router_igw"
+    deadline = time.monotonic() + 300
+    while True:  # the load starts on a stack that routes (the previous test restarted decode)
         try:
             if complete_through_router(inventory).get("choices"):
                 break
         except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError):
             pass
-        assert time.monotonic() < deadline, "router in IGW mode did not route within 180 s"
+        assert time.monotonic() < deadline, "the router did not route within 300 s before the rollout"
         time.sleep(3)
-    router_igw_s = round(time.monotonic() - t0, 1)
-
     first_vllm = next(i["host"] for i in inventory["instances"])
     flags = dict(inventory["hostvars"][first_vllm]["pd_vllm_flags_common"])
     flags["max-num-seqs"] = 8 if flags.get("max-num-seqs") != 8 else 16
@@ -234,10 +242,12 @@ def test_rolling_flag_change_under_load_drops_no_request(inventory):
     finally:
         load = gen.stop()
     upgrade_s = round(time.monotonic() - t1, 1)
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    (REPORTS / "rolling-upgrade.log").write_text(proc.stdout + proc.stderr)  # profile_tasks timings for review
     new_reports = sorted(set(REPORTS.parent.glob("rolling_upgrade-*.json")) - before)
     instances = json.loads(new_reports[-1].read_text())["instances"] if new_reports else []
     record("rolling-upgrade", {
-        "router_to_igw_s": router_igw_s, "rolling_upgrade_s": upgrade_s,
+        "rolling_upgrade_s": upgrade_s,
         "flag": {"max-num-seqs": flags["max-num-seqs"]},
         "load": {k: load.get(k) for k in ("sent", "completed", "failed", "failures", "error_samples",
                                           "latency_s", "longest_completion_gap_s")},
