@@ -464,3 +464,24 @@ def test_cli_writes_reports_and_exit_code(cluster, tmp_path):
                   "--markdown", str(tmp_path / "r.md")])
     assert rc == 1 and "— FAIL" in (tmp_path / "r.md").read_text()
     assert pv.main(["--config", str(tmp_path / "missing.json"), "--json", str(tmp_path / "x.json")]) == 2
+
+
+def test_warmup_request_is_retried_once_and_reported():
+    calls = []
+
+    def flaky(fails):
+        def fn():
+            calls.append(1)
+            if len(calls) <= fails:
+                raise pv.HttpError("POST /v1/completions: HTTP 500 (handshake_setup_failed)")
+            return {}
+        return fn
+
+    # first contact fails (NIXL handshake timeout), the retry passes: reported, not a failure
+    first, final = pv._warm(flaky(1), sleep=lambda _s: None)
+    assert "handshake_setup_failed" in first and final is None
+    calls.clear()
+    first, final = pv._warm(flaky(2), sleep=lambda _s: None)
+    assert first and final  # failed twice: the step fails
+    calls.clear()
+    assert pv._warm(flaky(0), sleep=lambda _s: None) == (None, None) and len(calls) == 1

@@ -3,7 +3,8 @@
 
 Steps (each returns a JSON-able dict with ``ok`` and details):
   readiness    every instance: GET /health == 200 and /v1/models lists the served model; the router likewise
-  warmup       through the router: concurrency 1..N at the shortest context, then the context range
+  warmup       through the router: concurrency 1..N at the shortest context, then the context range; a request
+               that fails is retried once after 5 s (first NIXL handshake under load) and reported
   kv_transfer  the same greedy prompts via the router (P/D) and directly to one instance (colocated):
                identical token ids; decode /metrics deltas show KV transferred, not recomputed
   accuracy     an eval set (jsonl: prompt/question + answer) scored against a threshold
@@ -272,42 +273,62 @@ def context_lengths(cfg):
     return sorted({int(round(lo * (hi / lo) ** (i / (n - 1)))) for i in range(n)})
 
 
-def step_warmup(cfg, prompts):
+WARMUP_RETRY_DELAY_S = 5.0
+
+
+def _warm(fn, sleep=time.sleep):
+    """One warm-up request, retried once: first contact between a decode and a prefill engine runs vLLM's NIXL
+    handshake, whose side-channel reply has a fixed 5 s timeout that a loaded host can miss (the request then
+    fails with kv_load_failure_policy=fail). Returns (first error or None, final error or None)."""
+    try:
+        fn()
+        return None, None
+    except HttpError as e:
+        first = str(e)
+    sleep(WARMUP_RETRY_DELAY_S)
+    try:
+        fn()
+        return first, None
+    except HttpError as e:
+        return first, str(e)
+
+
+def step_warmup(cfg, prompts, sleep=time.sleep):
     w = cfg["warmup"]
     model, router = cfg["model"], cfg["router_url"]
     out_tok = int(w["output_tokens"])
     lengths = context_lengths(cfg)
-    runs, errors = [], []
+    runs, errors, retried = [], [], []
     base_prompt, base_count = prompts.make(lengths[0], 1)
     for conc in w["concurrency"]:
         t0 = time.perf_counter()
 
         def one(i, conc=conc):
-            return _completion(router, model, base_prompt + f" {i}", out_tok, cfg, extra={"ignore_eos": True})
+            return _warm(lambda: _completion(router, model, base_prompt + f" {i}", out_tok, cfg,
+                                             extra={"ignore_eos": True}), sleep)
 
         with ThreadPoolExecutor(max_workers=conc) as ex:
-            futs = [ex.submit(one, i) for i in range(conc)]
-            errs = []
-            for f in futs:
-                try:
-                    f.result()
-                except HttpError as e:
-                    errs.append(str(e))
+            results = [f.result() for f in [ex.submit(one, i) for i in range(conc)]]
+        errs = [final for _, final in results if final]
+        retried += [f"warmup concurrency {conc}: {first}" for first, final in results if first and not final]
         runs.append({"kind": "batch", "concurrency": conc, "context_tokens": base_count,
-                     "seconds": round(time.perf_counter() - t0, 3), "errors": len(errs)})
+                     "seconds": round(time.perf_counter() - t0, 3), "errors": len(errs),
+                     "retried": sum(1 for first, _ in results if first)})
         errors += [f"warmup concurrency {conc}: {e}" for e in errs]
     for n, length in enumerate(lengths):
         prompt, count = prompts.make(length, 100 + n)
         t0 = time.perf_counter()
-        try:
-            _completion(router, model, prompt, out_tok, cfg, extra={"ignore_eos": True})
-            err = None
-        except HttpError as e:
-            err = str(e)
+        first, err = _warm(lambda prompt=prompt: _completion(router, model, prompt, out_tok, cfg,
+                                                             extra={"ignore_eos": True}), sleep)
+        if err:
             errors.append(f"warmup context {length}: {err}")
+        elif first:
+            retried.append(f"warmup context {length}: {first}")
         runs.append({"kind": "context", "target_tokens": length, "context_tokens": count,
-                     "seconds": round(time.perf_counter() - t0, 3), "error": err})
-    return {"ok": not errors, "context_lengths": lengths, "runs": runs, "errors": errors}
+                     "seconds": round(time.perf_counter() - t0, 3), "error": err, "retried_after": first})
+    # A request that failed twice fails the step; one that failed once and then passed is reported, not failed.
+    return {"ok": not errors, "context_lengths": lengths, "runs": runs, "errors": errors,
+            "failed_then_passed": retried}
 
 
 def _token_ids(resp, tokenize):
@@ -671,6 +692,9 @@ def render_markdown(rep):
     if "readiness" in st and st["readiness"].get("targets"):
         lines += ["", "## Readiness", ""] + [
             f"- {t['name']} {t['url']}: {'ready' if t['ok'] else t.get('error')}" for t in st["readiness"]["targets"]]
+    if st.get("warmup", {}).get("failed_then_passed"):
+        lines += ["", "## Warm-up requests that failed once and passed on retry", ""] + [
+            f"- {e}" for e in st["warmup"]["failed_then_passed"]]
     kv = st.get("kv_transfer", {})
     if kv.get("cases") is not None:
         ident = sum(1 for c in kv["cases"] if c.get("identical"))
