@@ -38,8 +38,10 @@ def record(name: str, figures: dict) -> None:
 def run(cmd: list[str], timeout: int, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+        out = proc.stdout + proc.stderr
+        # Every host's failure, not only the last one's (the tail alone hid an earlier host's failed task).
+        fatal = [out[m.start():m.start() + 1500] for m in re.finditer(r"^(fatal|failed): \[", out, re.M)][:6]
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n" + "\n...\n".join(fatal) + f"\n...\n{out[-4000:]}")
     return proc
 
 
