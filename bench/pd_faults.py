@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -161,8 +162,8 @@ def corrupt_shard(stack: Stack, timeout: float) -> dict:
     t0 = time.monotonic()
     proc = provision(stack, host, timeout)
     after = sha256(stack, host, target)
-    # model_weights' summary line (its debug "msg": per-state counts, bytes transferred); task headers excluded.
-    repair_lines = [ln.strip() for ln in proc.stdout.splitlines() if '"msg"' in ln and "transferred" in ln]
+    # model_weights' summary (per-file states, bytes transferred); the output callback wraps it over lines.
+    repair_lines = re.findall(r'\{"ok"[^{}]*\}; transferred [0-9.]+ \w+', " ".join(proc.stdout.split()))
     return {"host": host, "file": target, "damaged": damaged != before, "playbook_rc": proc.returncode,
             "playbook_s": round(time.monotonic() - t0, 1), "restored": after == before,
             "model_weights_said": repair_lines[:4]}
