@@ -2,14 +2,18 @@
 # Copyright: b300-pd contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 
+import errno
 import grp
 import json
 import os
+import posixpath
 import pwd
 import re
 import shutil
+import stat
 import tempfile
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 from ansible.module_utils.basic import AnsibleModule
@@ -21,6 +25,7 @@ from ansible.module_utils.model_manifest import (
     PART_SUFFIX,
     REPAIRED,
     SHA1_RE,
+    SHA256_RE,
     HfFetcher,
     HttpFetcher,
     ManifestError,
@@ -28,11 +33,16 @@ from ansible.module_utils.model_manifest import (
     RsyncFetcher,
     default_workers,
     dumps_manifest,
+    fd_path,
     free_bytes,
-    git_blob_sha1,
-    hash_file,
+    hash_stream,
     list_files,
+    manifest_differences,
+    open_dir_beneath,
+    open_nofollow,
     read_manifest_file,
+    scan_links,
+    symlink_error,
     validate_manifest,
     verify_files,
     write_atomic,
@@ -298,8 +308,17 @@ class ModelWeights:
         self.margin = max(0, p["space_margin_mib"]) * MIB
         self.revdir = os.path.join(self.root, "revisions", self.revision)
         self.staging = os.path.join(self.root, ".staging", self.revision)
-        self.uid = pwd.getpwnam(p["owner"]).pw_uid if p["owner"] else -1
-        self.gid = grp.getgrnam(p["group"]).gr_gid if p["group"] else -1
+        try:
+            self.uid = pwd.getpwnam(p["owner"]).pw_uid if p["owner"] else -1
+        except KeyError:
+            raise WeightsError(f"owner {p['owner']!r} is not a user on this host; create it or fix owner") from None
+        try:
+            self.gid = grp.getgrnam(p["group"]).gr_gid if p["group"] else -1
+        except KeyError:
+            raise WeightsError(f"group {p['group']!r} is not a group on this host; create it or fix group") from None
+        # Paths through /proc/<pid>/fd/<dir fd>/ reach a directory we opened without following links, so nobody can
+        # swap one of its parents for a symlink between our check and a fetcher's (or rsync's) write.
+        self.proc_fds = os.path.isdir(f"/proc/{os.getpid()}/fd")
         self._fetcher = None
 
     # ------------------------------------------------------------ inputs
@@ -325,6 +344,14 @@ class ModelWeights:
             raise WeightsError("source.url is required for source.type=http")
         elif t in ("path", "peer") and not src.get("path"):
             raise WeightsError(f"source.path is required for source.type={t}")
+        if self.module.params["token"] and t in ("hf", "http"):
+            field, url = ("source.endpoint", src["endpoint"]) if t == "hf" else ("source.url", src["url"])
+            if urllib.parse.urlsplit(url).scheme.lower() != "https":
+                raise WeightsError(
+                    f"{field} {url} is not https but a token is set: the token (model_weights_token / pd_hf_token) "
+                    f"would travel in clear text; use an https:// {field.split('.')[1]}, or unset the token for a "
+                    "source that needs none"
+                )
         if os.path.lexists(self.link) and not os.path.islink(self.link):
             raise WeightsError(
                 f"{self.link} exists and is not a symlink; move it away (it is the served path model_weights manages)"
@@ -367,7 +394,44 @@ class ModelWeights:
 
     # ------------------------------------------------------------ plan
 
+    def check_links(self):
+        """Refuse any symlink in the trees this module writes, before anything is read or written there.
+
+        A named error rather than removing the link: neither this module nor rsync nor vLLM ever makes one there, so
+        a link is tampering (model_weights_owner may write the tree; the module runs as root) or a hand edit, and
+        silently unlinking it would hide that. Unlinking would also not be enough against a race, so every write
+        below is additionally O_NOFOLLOW / dir_fd-relative (a link planted after this check is an error too).
+        """
+        for rel in ("revisions", f"revisions/{self.revision}", ".staging", f".staging/{self.revision}", LOCK_NAME,
+                    HISTORY_NAME):
+            full = os.path.join(self.root, rel)
+            if os.path.islink(full):
+                raise symlink_error(full)
+        found = []
+        for tree in (self.revdir, self.staging):
+            if os.path.isdir(tree):
+                found += [os.path.join(tree, r) for r in scan_links(tree)]
+        revs_dir = os.path.join(self.root, "revisions")
+        if os.path.isdir(revs_dir):
+            found += sorted(
+                os.path.join(revs_dir, d) for d in os.listdir(revs_dir) if os.path.islink(os.path.join(revs_dir, d))
+            )
+        if len(found) == 1:
+            raise symlink_error(found[0])
+        if found:
+            shown = ", ".join(f"{p} -> {os.readlink(p)}" for p in found[:10])
+            raise WeightsError(
+                f"{len(found)} symlinks inside the trees model_weights writes under {self.root}, which it never "
+                f"follows (run as root, a planted link would make it write outside the root): {shown}; check who "
+                "made them, remove them (rm <path>) and rerun"
+            )
+
+    def _extras(self, manifest):
+        listed = {f["path"] for f in manifest["files"]}
+        return sorted(set(list_files(self.revdir)) - listed) if os.path.isdir(self.revdir) else []
+
     def plan(self):
+        self.check_links()
         local_path = os.path.join(self.revdir, MANIFEST_NAME)
         manifest = None
         origin = "local"
@@ -391,11 +455,17 @@ class ModelWeights:
             origin = self.fetcher().describe()
             states = self._reconcile(manifest, src_manifest, states)
             manifest = src_manifest
+        extra = self._extras(manifest)
+        if origin == "local" and extra and not SHA256_RE.match(self.revision):
+            # Deleting on the word of a manifest that cannot vouch for itself (a hub commit id is not a hash of the
+            # file list) would let an edited manifest.json delete real shards: confirm it with the source first.
+            manifest, states, extra = self._confirm_with_source(local_path, manifest, states, extra)
+            if self.local_manifest_bad:
+                origin = self.fetcher().describe()
         self.manifest = manifest
         self.origin = origin
         self.states = states
-        listed = {f["path"] for f in manifest["files"]}
-        self.extra = sorted(set(list_files(self.revdir)) - listed) if os.path.isdir(self.revdir) else []
+        self.extra = extra
         self.todo = [f for f in manifest["files"] if states[f["path"]] != OK]
         self.fetch_bytes = 0
         for f in self.todo:
@@ -409,6 +479,27 @@ class ModelWeights:
             or os.path.realpath(self.link) == os.path.realpath(self.revdir)
         )
         self.to_prune = self._prune_plan()
+
+    def _confirm_with_source(self, local_path, manifest, states, extra):
+        try:
+            src_manifest = self.source_manifest()
+        except ManifestError as e:
+            shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
+            raise WeightsError(
+                f"{len(extra)} file(s) in {self.revdir} are not in its manifest.json ({shown}) and would be deleted, "
+                f"but revision {self.revision} is not a content hash, so its local manifest cannot vouch for itself "
+                f"and the source could not confirm it: {e}; rerun when the source is reachable (or, if they really "
+                "are strays, remove them by hand)"
+            ) from None
+        diff = manifest_differences(manifest, src_manifest)
+        if not diff:
+            return manifest, states, extra
+        self.local_manifest_bad = (
+            f"{local_path} differs from {self.fetcher().describe()}: " + "; ".join(diff[:5])
+            + (f" (+{len(diff) - 5} more)" if len(diff) > 5 else "")
+        )
+        states = self._reconcile(manifest, src_manifest, states)
+        return src_manifest, states, self._extras(src_manifest)
 
     def _reconcile(self, local, source, states):
         by_path = {f["path"]: f for f in local["files"]}
@@ -433,19 +524,32 @@ class ModelWeights:
         """Write the revision's own manifest.json (sha256 for every file) when it differs; returns True if written."""
         files = []
         for f in self.manifest["files"]:
-            sha = f.get("sha256") or hash_file(os.path.join(self.revdir, f["path"]), self.bufsize)[1]
+            sha = f.get("sha256") or self._hash_served(f["path"])
             files.append({"path": f["path"], "size": f["size"], "sha256": sha})
         norm = {"revision": self.revision, "files": files}
-        path = os.path.join(self.revdir, MANIFEST_NAME)
+        dir_fd = open_dir_beneath(self.root, f"revisions/{self.revision}")
         try:
-            with open(path, encoding="utf-8") as fh:
-                if json.load(fh) == norm:
-                    return False
-        except (OSError, ValueError):
-            pass
-        write_atomic(path, dumps_manifest(norm))
-        self._own(path)
+            try:
+                with os.fdopen(open_nofollow(MANIFEST_NAME, os.O_RDONLY, dir_fd=dir_fd), encoding="utf-8") as fh:
+                    if json.load(fh) == norm:
+                        return False
+            except (OSError, ValueError):
+                pass
+            write_atomic(MANIFEST_NAME, dumps_manifest(norm), dir_fd=dir_fd)
+            if self.uid != -1 or self.gid != -1:
+                os.chown(MANIFEST_NAME, self.uid, self.gid, dir_fd=dir_fd, follow_symlinks=False)
+        finally:
+            os.close(dir_fd)
         return True
+
+    def _hash_served(self, rel):
+        rel_dir, name = posixpath.split(rel)
+        dir_fd = open_dir_beneath(self.root, posixpath.join("revisions", self.revision, rel_dir))
+        try:
+            with os.fdopen(open_nofollow(name, os.O_RDONLY, dir_fd=dir_fd), "rb", buffering=0) as fh:
+                return hash_stream(fh, self.bufsize)[1][0]
+        finally:
+            os.close(dir_fd)
 
     def _history(self):
         try:
@@ -489,6 +593,14 @@ class ModelWeights:
         if self.uid != -1 or self.gid != -1:
             os.chown(path, self.uid, self.gid)
 
+    def _own_fd(self, fd):
+        if self.uid != -1 or self.gid != -1:
+            os.fchown(fd, self.uid, self.gid)
+
+    def _tree_dir(self, rel):
+        """Make root/rel (inside the module's own trees) without following any link below the root; returns its fd."""
+        return open_dir_beneath(self.root, rel, create=True, on_create=self._own_fd)
+
     def _makedirs(self, path):
         missing = []
         p = path
@@ -504,42 +616,69 @@ class ModelWeights:
             self._own(d)
 
     def _fetch_one(self, entry):
-        part = os.path.join(self.staging, entry["path"] + PART_SUFFIX)
-        self._makedirs(os.path.dirname(part))
-        fetcher = self.fetcher()
-        transferred = 0
-        for attempt in (1, 2):
-            transferred += fetcher.fetch(entry, part)
-            size = os.path.getsize(part) if os.path.exists(part) else -1
-            if size == entry["size"]:
-                if "sha256" in entry:
-                    good = hash_file(part, self.bufsize)[1] == entry["sha256"]
-                else:
-                    good = git_blob_sha1(part, self.bufsize) == entry["git_sha1"]
+        rel_dir, name = posixpath.split(entry["path"])
+        part_name = name + PART_SUFFIX
+        stage_fd = self._tree_dir(posixpath.join(".staging", self.revision, rel_dir))
+        try:
+            part = (fd_path(stage_fd, part_name) if self.proc_fds
+                    else os.path.join(self.staging, entry["path"] + PART_SUFFIX))
+            fetcher = self.fetcher()
+            transferred = 0
+            for attempt in (1, 2):
+                transferred += fetcher.fetch(entry, part)
+                good, size, sha256 = self._check_part(stage_fd, part_name, entry)
                 if good:
                     break
-            # A wrong prefix (earlier corrupt partial) or a bad transfer: start over from byte 0, once.
-            if os.path.exists(part):
-                os.unlink(part)
-            if attempt == 2:
-                raise WeightsError(
-                    f"{entry['path']} from {fetcher.describe()} does not match the manifest after a full re-fetch "
-                    f"(size {size}, expected {entry['size']}); the source is corrupt"
-                )
-        if "sha256" not in entry:
-            entry["sha256"] = hash_file(part, self.bufsize)[1]
-        os.chmod(part, 0o644)
-        self._own(part)
-        dest = os.path.join(self.revdir, entry["path"])
-        self._makedirs(os.path.dirname(dest))
-        if os.path.isdir(dest) and not os.path.islink(dest):
-            shutil.rmtree(dest)
-        os.replace(part, dest)  # atomic: readers see the old file or the verified new one, never a partial one
+                # A wrong prefix (earlier corrupt partial) or a bad transfer: start over from byte 0, once.
+                try:
+                    os.unlink(part_name, dir_fd=stage_fd)
+                except FileNotFoundError:
+                    pass
+                if attempt == 2:
+                    raise WeightsError(
+                        f"{entry['path']} from {fetcher.describe()} does not match the manifest after a full "
+                        f"re-fetch (size {size}, expected {entry['size']}); the source is corrupt"
+                    )
+            entry["sha256"] = sha256
+            rev_fd = self._tree_dir(posixpath.join("revisions", self.revision, rel_dir))
+            try:
+                try:
+                    st = os.lstat(name, dir_fd=rev_fd)
+                except FileNotFoundError:
+                    st = None
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(fd_path(rev_fd, name) if self.proc_fds else os.path.join(self.revdir, entry["path"]))
+                # atomic, and relative to fds opened without following links: readers see the old file or the
+                # verified new one, and the new one lands in the revision directory, nowhere else
+                os.replace(part_name, name, src_dir_fd=stage_fd, dst_dir_fd=rev_fd)
+            finally:
+                os.close(rev_fd)
+        finally:
+            os.close(stage_fd)
         return transferred
+
+    def _check_part(self, stage_fd, part_name, entry):
+        """(good, size, sha256) of the staged .part, read through an O_NOFOLLOW fd; a good one is made 0644 and
+        owned as configured through the same fd."""
+        try:
+            fd = open_nofollow(part_name, os.O_RDONLY, dir_fd=stage_fd)
+        except FileNotFoundError:
+            return False, -1, None
+        with os.fdopen(fd, "rb", buffering=0) as fh:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry["size"]:
+                return False, st.st_size, None
+            algos = ("sha256",) if "sha256" in entry else ("sha256", "git_sha1")
+            _, digests = hash_stream(fh, self.bufsize, algos, git_size=st.st_size)
+            good = digests[0] == entry["sha256"] if "sha256" in entry else digests[1] == entry["git_sha1"]
+            if good:
+                os.fchmod(fd, 0o644)
+                self._own_fd(fd)
+            return good, st.st_size, digests[0]
 
     def apply(self):
         self._makedirs(self.root)
-        lock_fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o644)
+        lock_fd = open_nofollow(os.path.join(self.root, LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o644)
         try:
             import fcntl
 
@@ -554,9 +693,9 @@ class ModelWeights:
     def _apply_locked(self):
         changed = False
         transferred = 0
-        self._makedirs(self.revdir)
+        os.close(self._tree_dir(f"revisions/{self.revision}"))
         if self.todo:
-            self._makedirs(self.staging)
+            os.close(self._tree_dir(f".staging/{self.revision}"))
             errors = []
             with ThreadPoolExecutor(max_workers=self.dl_workers) as ex:
                 futures = [(f, ex.submit(self._fetch_one, f)) for f in self.todo]
@@ -572,7 +711,12 @@ class ModelWeights:
                 )
             changed = True
         for rel in self.extra:
-            os.unlink(os.path.join(self.revdir, rel))
+            rel_dir, name = posixpath.split(rel)
+            dir_fd = open_dir_beneath(self.root, posixpath.join("revisions", self.revision, rel_dir))
+            try:
+                os.unlink(name, dir_fd=dir_fd)  # the entry itself, never what a link would point to
+            finally:
+                os.close(dir_fd)
             changed = True
         self._write_manifest()
         if os.path.isdir(self.staging):
@@ -686,8 +830,10 @@ def main():
         result = ModelWeights(module).run()
     except (WeightsError, ManifestError) as e:
         module.fail_json(msg=str(e))
-    except KeyError as e:
-        module.fail_json(msg=f"unknown owner/group {e}")
+    except OSError as e:
+        # Last resort (the expected failures are named above): still a message naming the path, never a traceback.
+        hint = "free space there and rerun" if e.errno == errno.ENOSPC else "check that path and rerun"
+        module.fail_json(msg=f"model_weights: {e.strerror or e} on {e.filename or module.params['root']}; {hint}")
     module.exit_json(**result)
 
 

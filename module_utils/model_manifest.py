@@ -7,6 +7,7 @@
 #
 # Stdlib only: runs on the managed hosts (as ansible.module_utils.model_manifest) and on the control node.
 
+import errno
 import hashlib
 import http.client
 import json
@@ -38,6 +39,110 @@ class ManifestError(Exception):
     """Bad manifest, revision mismatch or a source that cannot deliver a file."""
 
 
+class UnsafePathError(ManifestError):
+    """A symlink (or a non-directory) where model_weights expects a directory or file of its own tree."""
+
+
+# ---------------------------------------------------------------- never following links in our own trees
+#
+# The module runs as root and its trees (revisions/<rev>/, .staging/<rev>/) may be writable by model_weights_owner.
+# A symlink planted there must never be followed: every directory below the root is opened with O_NOFOLLOW relative
+# to its parent's fd, files are opened with O_NOFOLLOW, and renames/unlinks are dir_fd-relative.
+
+_DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def symlink_error(path):
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return UnsafePathError(
+        f"{path} is a symlink (to {target}); model_weights never follows links inside its root (run as root, a "
+        f"planted link would make it write outside the root): check who made it, remove it (rm {path}) and rerun"
+    )
+
+
+def _unsafe(path, err):
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return symlink_error(path)
+    except OSError:
+        pass
+    if err.errno == errno.ENOTDIR:
+        return UnsafePathError(f"{path} is not a directory; model_weights keeps its own directory there: move it away")
+    return None
+
+
+def open_dir_beneath(root, rel, create=False, mode=0o755, on_create=None):
+    """An fd of directory root/rel; each component below root opened with O_NOFOLLOW (a symlink is an
+    UnsafePathError, never followed). Missing components are made (mode, then on_create(fd)) when create.
+    root itself is the operator's path and may be a symlink (a mount point moved elsewhere)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    path = root
+    try:
+        for name in [c for c in rel.split("/") if c]:
+            path = os.path.join(path, name)
+            made = False
+            try:
+                try:
+                    nfd = os.open(name, _DIR_NOFOLLOW, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(name, mode, dir_fd=fd)
+                        made = True
+                    except FileExistsError:
+                        pass
+                    nfd = os.open(name, _DIR_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                bad = _unsafe(path, e) if e.errno in (errno.ELOOP, errno.ENOTDIR) else None
+                if bad:
+                    raise bad from None
+                raise
+            os.close(fd)
+            fd = nfd
+            if made:
+                os.fchmod(fd, mode)  # umask-independent
+                if on_create:
+                    on_create(fd)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_nofollow(path, flags, mode=0o644, dir_fd=None):
+    """os.open that refuses a symlink as the last component with a named UnsafePathError."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            full = path if dir_fd is None else fd_path(dir_fd, path)
+            raise symlink_error(full) from None
+        raise
+
+
+def fd_path(dir_fd, name=""):
+    """A path to name inside the directory open as dir_fd, resolved through the fd (not through the names that led
+    to it, which someone could swap for a symlink meanwhile). /proc/<pid>/ rather than /proc/self/ so a child
+    (rsync) resolves it through this process's fd too."""
+    base = f"/proc/{os.getpid()}/fd/{dir_fd}"
+    return f"{base}/{name}" if name else base
+
+
+def scan_links(directory):
+    """Paths (relative, sorted) of the symlinks anywhere under directory (directory itself excluded), not followed."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(directory, followlinks=False):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full):
+                out.append(os.path.relpath(full, directory).replace(os.sep, "/"))
+    return sorted(out)
+
+
 def default_workers():
     """Hashing threads: one per CPU up to 16 (sha256 runs ~1-2 GB/s per core with SHA extensions)."""
     return max(1, min(16, os.cpu_count() or 1))
@@ -48,20 +153,35 @@ def default_workers():
 
 def hash_file(path, bufsize=DEFAULT_BUFSIZE, algo="sha256"):
     """Return (size, hexdigest) of a file, read in large buffers (hashlib releases the GIL on big updates)."""
-    h = hashlib.new(algo)
+    with open(path, "rb", buffering=0) as f:
+        size, digests = hash_stream(f, bufsize, (algo,))
+    return size, digests[0]
+
+
+def hash_stream(f, bufsize=DEFAULT_BUFSIZE, algos=("sha256",), git_size=None):
+    """(size, [hexdigest per algo]) of an unbuffered binary file object from its current position.
+    "git_sha1" is the git blob id, which needs the size up front (git_size)."""
+    hashers = []
+    for a in algos:
+        if a == "git_sha1":
+            h = hashlib.sha1(usedforsecurity=False)
+            h.update(b"blob %d\0" % git_size)
+        else:
+            h = hashlib.new(a)
+        hashers.append(h)
     size = 0
     buf = bytearray(bufsize)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger kernel readahead
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger kernel readahead
+    while True:
+        n = f.readinto(buf)
+        if not n:
+            break
+        for h in hashers:
             h.update(view[:n])
-            size += n
-    return size, h.hexdigest()
+        size += n
+    return size, [h.hexdigest() for h in hashers]
 
 
 def git_blob_sha1(path, bufsize=DEFAULT_BUFSIZE):
@@ -183,14 +303,33 @@ def dumps_manifest(manifest):
     return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
 
 
-def write_atomic(path, data, mode=0o644):
+def write_atomic(path, data, mode=0o644, dir_fd=None):
+    """Write data to path through a temporary file and a rename. The temporary name is predictable, so a stale one
+    (or a symlink planted there) is unlinked and the file made with O_EXCL|O_NOFOLLOW: nothing is written through a
+    link. With dir_fd, path is a name in that directory. Any OSError (ENOSPC above all) is a ManifestError naming
+    the path; the temporary file is removed."""
+    shown = path if dir_fd is None else fd_path(dir_fd, path)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data)
+                f.flush()
+                os.fchmod(f.fileno(), mode)
+                os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as e:
+        hint = "the filesystem is full: free space there (or lower model_weights_keep) and rerun" if (
+            e.errno == errno.ENOSPC) else "check the directory's permissions and filesystem"
+        raise ManifestError(f"cannot write {shown}: {e.strerror or e}; {hint}") from None
 
 
 def read_manifest_file(path):
@@ -216,7 +355,7 @@ def verify_files(directory, files, workers=None, bufsize=DEFAULT_BUFSIZE, deep=T
     for f in files:
         full = os.path.join(directory, f["path"])
         try:
-            st = os.stat(full)
+            st = os.lstat(full)  # a symlink is not the file, whatever it points to
         except FileNotFoundError:
             states[f["path"]] = MISSING
             continue
@@ -264,9 +403,12 @@ def free_bytes(path):
 
 def _part_offset(part, size):
     try:
-        have = os.path.getsize(part)
+        st = os.lstat(part)
     except FileNotFoundError:
         return 0
+    if stat.S_ISLNK(st.st_mode):
+        raise symlink_error(part)
+    have = st.st_size
     if have > size:
         os.unlink(part)
         return 0
@@ -296,7 +438,7 @@ class PathFetcher:
             fin = open(src, "rb")
         except OSError as e:
             raise ManifestError("cannot read {} from source {}: {}".format(entry["path"], self.path, e)) from None
-        with fin, open(part, "ab") as fout:
+        with fin, os.fdopen(open_nofollow(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab") as fout:
             fin.seek(offset)
             while offset + copied < entry["size"]:
                 chunk = fin.read(min(self.bufsize, entry["size"] - offset - copied))
@@ -309,13 +451,31 @@ class PathFetcher:
         return copied
 
 
-class _DropAuthOnRedirect(urllib.request.HTTPRedirectHandler):
-    """Keep Range on redirects; drop Authorization when the redirect leaves the original host (hub -> CDN)."""
+class RedirectRefused(urllib.error.URLError):
+    """A redirect from https to http: refused, see _SafeRedirect."""
+
+
+class _SafeRedirect(urllib.request.HTTPRedirectHandler):
+    """Keep Range on redirects; drop Authorization when the redirect leaves the original host or port (hub -> CDN);
+    refuse any redirect from https to http.
+
+    Refused, not just stripped of Authorization: over http the bearer token would travel in clear text, and even
+    without it the hub's metadata (file list, sizes, sha256 - what every downloaded byte is checked against) would
+    then be open to tampering; a private repository would only fail later with a misleading 401 from the http URL.
+    A hub or mirror that downgrades is misconfigured or intercepted, and the error says so.
+    """
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: PLR0917 (stdlib signature)
+        old = urllib.parse.urlsplit(req.full_url)
+        new_parts = urllib.parse.urlsplit(urllib.parse.urljoin(req.full_url, newurl))
+        if old.scheme == "https" and new_parts.scheme != "https":
+            raise RedirectRefused(
+                f"refused the redirect from {req.full_url} to {newurl} (HTTP {code}): it leaves https, so the token "
+                "and the file metadata would travel unprotected; fix the endpoint/mirror so it stays on https"
+            )
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         if new is not None:
-            if urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+            if new_parts.netloc != old.netloc or new_parts.scheme != old.scheme:
                 new.remove_header("Authorization")
             rng = req.get_header("Range")
             if rng and not new.has_header("Range"):
@@ -334,7 +494,7 @@ class HttpFetcher:
         self.timeout = timeout
         self.bufsize = bufsize
         self.retries = retries
-        self.opener = urllib.request.build_opener(_DropAuthOnRedirect())
+        self.opener = urllib.request.build_opener(_SafeRedirect())
 
     def describe(self):
         return self.base_url
@@ -352,6 +512,8 @@ class HttpFetcher:
                 return json.loads(r.read().decode("utf-8"))
         except urllib.error.HTTPError as e:
             raise ManifestError(f"GET {url}: HTTP {e.code} {e.reason}") from None
+        except RedirectRefused as e:
+            raise ManifestError(f"GET {url}: {e.reason}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise ManifestError(f"GET {url}: {e}") from None
 
@@ -371,7 +533,9 @@ class HttpFetcher:
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 # Connection dropped mid-body: what arrived is on disk; the next attempt resumes from there.
                 last = e
-                if isinstance(e, urllib.error.HTTPError) and e.code < 500 and e.code != 429:
+                if isinstance(e, RedirectRefused) or (
+                    isinstance(e, urllib.error.HTTPError) and e.code < 500 and e.code != 429
+                ):
                     break
                 time.sleep(min(2**attempt, 10) if attempt < self.retries else 0)
         raise ManifestError("downloading {} from {} failed: {}".format(entry["path"], self.describe(), last))
@@ -396,7 +560,8 @@ class HttpFetcher:
                 offset = 0
             else:
                 raise ManifestError(f"{url}: unexpected HTTP status {status}")
-            with open(part, mode) as fout:
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "ab" else os.O_TRUNC)
+            with os.fdopen(open_nofollow(part, flags), mode) as fout:
                 while offset + copied < size:
                     chunk = r.read(min(self.bufsize, size - offset - copied))
                     if not chunk:
@@ -431,28 +596,83 @@ class HfFetcher(HttpFetcher):
             urllib.parse.quote(self.revision, safe=""),
         )
         info = self._get_json(url)
-        sha = info.get("sha")
-        if sha != self.revision:
-            raise ManifestError(
-                f"revision mismatch: the hub resolves {self.repo_id}@{self.revision} to commit {sha}; "
-                "pin the full 40-hex commit id"
-            )
-        files = []
-        for s in info.get("siblings") or []:
-            name = s.get("rfilename")
-            if name in (None, ".gitattributes", MANIFEST_NAME):
-                continue
-            lfs = s.get("lfs") or None
-            if lfs:
-                files.append({"path": name, "size": int(lfs["size"]), "sha256": lfs["sha256"]})
-            elif s.get("blobId") and s.get("size") is not None:
-                files.append({"path": name, "size": int(s["size"]), "git_sha1": s["blobId"]})
-            else:
-                raise ManifestError(f"hub file {name} has no size/blob id (files_metadata missing?)")
-        return {"revision": sha, "files": files}
+        return hub_manifest(info, self.repo_id, self.revision, url)
 
     def file_url(self, path):
         return f"{self.base_url}/{self.repo_id}/resolve/{self.revision}/{urllib.parse.quote(path)}"
+
+
+def _hub_int(value, what, fix):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ManifestError(f"{what} is {value!r}, not a byte count; {fix}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ManifestError(f"{what} is {value!r}, not a byte count; {fix}") from None
+    if n < 0:
+        raise ManifestError(f"{what} is negative ({n}); {fix}")
+    return n
+
+
+def hub_manifest(info, repo_id, revision, url):
+    """The manifest of a hub commit from /api/models/<repo>/revision/<rev>?blobs=true; every malformed field is a
+    ManifestError naming it (never a KeyError/TypeError out of the module)."""
+    fix = (f"source.endpoint must be a Hugging Face hub API whose {url} returns siblings with sizes and lfs.sha256 "
+           "(files_metadata); otherwise serve the revision from a mirror with a manifest.json (source.type=http)")
+    where = f"hub metadata of {repo_id}@{revision}"
+    if not isinstance(info, dict):
+        raise ManifestError(f"{where} is a JSON {type(info).__name__}, not an object; {fix}")
+    sha = info.get("sha")
+    if sha != revision:
+        raise ManifestError(
+            f"revision mismatch: the hub resolves {repo_id}@{revision} to commit {sha}; pin the full 40-hex commit id"
+        )
+    siblings = info.get("siblings")
+    if not isinstance(siblings, list):
+        raise ManifestError(f"{where}: 'siblings' is a {type(siblings).__name__}, not a list of files; {fix}")
+    files = []
+    for i, s in enumerate(siblings):
+        if not isinstance(s, dict):
+            raise ManifestError(f"{where}: siblings[{i}] is {s!r}, not an object; {fix}")
+        name = s.get("rfilename")
+        if not isinstance(name, str) or not name:
+            raise ManifestError(f"{where}: siblings[{i}].rfilename is {name!r}, not a file name; {fix}")
+        if name in (".gitattributes", MANIFEST_NAME):
+            continue
+        lfs = s.get("lfs")
+        if lfs:
+            if not isinstance(lfs, dict):
+                raise ManifestError(f"{where}: {name}: 'lfs' is {lfs!r}, not an object; {fix}")
+            sha256 = lfs.get("sha256")
+            if not isinstance(sha256, str) or not SHA256_RE.match(sha256):
+                raise ManifestError(f"{where}: {name}: lfs.sha256 is {sha256!r}, not 64 hex digits; {fix}")
+            size = _hub_int(lfs.get("size"), f"{where}: {name}: lfs.size", fix)
+            files.append({"path": name, "size": size, "sha256": sha256})
+        else:
+            blob = s.get("blobId")
+            if s.get("size") is None or not isinstance(blob, str) or not SHA1_RE.match(blob):
+                raise ManifestError(
+                    f"{where}: {name} has no lfs.sha256 and no size + 40-hex blobId (blobId {blob!r}, size "
+                    f"{s.get('size')!r}); {fix}"
+                )
+            size = _hub_int(s["size"], f"{where}: {name}: size", fix)
+            files.append({"path": name, "size": size, "git_sha1": blob})
+    return {"revision": sha, "files": files}
+
+
+def manifest_differences(local, source):
+    """What differs between two manifests of one revision (by path: missing, extra, size, sha256 where both have
+    it); [] when they agree. The hub gives only a git blob id for non-LFS files: no sha256 to compare there."""
+    a = {f["path"]: f for f in local["files"]}
+    b = {f["path"]: f for f in source["files"]}
+    out = [f"{p} is missing from it" for p in sorted(set(b) - set(a))]
+    out += [f"{p} is listed but not in the source" for p in sorted(set(a) - set(b))]
+    for p in sorted(set(a) & set(b)):
+        if a[p]["size"] != b[p]["size"]:
+            out.append(f"{p} has size {a[p]['size']}, the source {b[p]['size']}")
+        elif "sha256" in a[p] and "sha256" in b[p] and a[p]["sha256"] != b[p]["sha256"]:
+            out.append(f"{p} has sha256 {a[p]['sha256'][:12]}..., the source {b[p]['sha256'][:12]}...")
+    return out
 
 
 class RsyncFetcher:
@@ -517,4 +737,4 @@ class RsyncFetcher:
         m = re.search(r"Literal data:\s*([\d,]+)", out)
         if m:
             return int(m.group(1).replace(",", ""))
-        return max(0, os.path.getsize(part) - offset)
+        return max(0, os.lstat(part).st_size - offset)

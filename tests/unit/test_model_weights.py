@@ -12,6 +12,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import ssl
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -76,16 +78,54 @@ def src(tmp_path):
 # ------------------------------------------------------------------ HTTP server (mirror + hub)
 
 
+def make_tls_cert(d: Path) -> Path:
+    """A self-signed certificate (with its key) for 127.0.0.1; clients trust it through SSL_CERT_FILE."""
+    pem = d / "localhost.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(pem), "-out", str(pem)],
+                   check=True, capture_output=True)
+    return pem
+
+
+@pytest.fixture
+def tls_cert(tmp_path, monkeypatch):
+    pem = make_tls_cert(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(pem))  # urllib's default context reads it per connection
+    return pem
+
+
+class _DualServer(ThreadingHTTPServer):
+    """With a TLS context: TLS and plain HTTP on one port (a ClientHello starts with 0x16), so a redirect from
+    https://127.0.0.1:P to http://127.0.0.1:P keeps host and port, as a same-host downgrade does on 443/80."""
+
+    ssl_context = None
+
+    def get_request(self):
+        sock, addr = super().get_request()
+        if self.ssl_context is not None:
+            sock.settimeout(5)
+            try:
+                first = sock.recv(1, socket.MSG_PEEK)
+            finally:
+                sock.settimeout(None)
+            if first == b"\x16":
+                sock = self.ssl_context.wrap_socket(sock, server_side=True)
+        return sock, addr
+
+
 class Server:
     """Serves files from a directory with Range support; counts body bytes served per path; can cut a response."""
 
-    def __init__(self, root: Path, hub: dict | None = None, token: str | None = None):
+    def __init__(self, root: Path, hub: dict | None = None, token: str | None = None, tls_cert: Path | None = None):
         self.root = root
         self.hub = hub  # {"repo": ..., "rev": ..., "api_sha": ..., "lfs": set(paths)}
         self.token = token
         self.served: dict[str, int] = {}
         self.ranges: list[str | None] = []
         self.auth_seen: list[str | None] = []
+        self.plain_auth: list[str | None] = []  # Authorization of requests that came over plain HTTP
+        self.redirects: dict[str, str] = {}  # request path (query included) -> Location of a 302
+        self.patch_info = None  # callable(hub_info) -> what the API returns instead
         self.cut_after: dict[str, int] = {}  # path -> bytes, applied once
         self.ignore_range = False
         outer = self
@@ -96,6 +136,14 @@ class Server:
 
             def do_GET(self):
                 outer.auth_seen.append(self.headers.get("Authorization"))
+                if not isinstance(self.connection, ssl.SSLSocket):
+                    outer.plain_auth.append(self.headers.get("Authorization"))
+                if self.path in outer.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", outer.redirects[self.path])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if outer.token and self.headers.get("Authorization") != f"Bearer {outer.token}":
                     self.send_error(401)
                     return
@@ -103,7 +151,8 @@ class Server:
                 if outer.hub:
                     api = f"/api/models/{outer.hub['repo']}/revision/{outer.hub['rev']}"
                     if path == api:
-                        return self._json(outer.hub_info())
+                        info = outer.hub_info()
+                        return self._json(outer.patch_info(info) if outer.patch_info else info)
                     prefix = f"/{outer.hub['repo']}/resolve/{outer.hub['rev']}/"
                     if not path.startswith(prefix):
                         self.send_error(404)
@@ -146,8 +195,15 @@ class Server:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.httpd = _DualServer(("127.0.0.1", 0), H)
+        port = self.httpd.server_address[1]
+        self.plain_url = f"http://127.0.0.1:{port}"
+        self.url = self.plain_url
+        if tls_cert is not None:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(tls_cert)
+            self.httpd.ssl_context = ctx
+            self.url = f"https://127.0.0.1:{port}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
@@ -502,14 +558,14 @@ def test_real_directory_at_link_is_refused(tmp_path, src, monkeypatch):
 # ------------------------------------------------------------------ hf (hub-shaped local server) and peer
 
 
-def test_hf_source_with_token_and_git_blob_files(tmp_path, monkeypatch, server_factory):
+def test_hf_source_with_token_and_git_blob_files(tmp_path, monkeypatch, server_factory, tls_cert):
     d = tmp_path / "hub"
     make_model(d)
     (d / "manifest.json").unlink()  # the hub has no manifest.json: the module builds it from the API
     rev = "0123456789abcdef0123456789abcdef01234567"
     srv = server_factory(d, hub={"repo": "zai-org/GLM-5.2-NVFP4", "rev": rev, "api_sha": rev,
                                  "lfs": {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}},
-                         token="hf_secret_token")  # noqa: S106 (test token)  # noqa: S106 (test token)
+                         token="hf_secret_token", tls_cert=tls_cert)  # noqa: S106 (test token)
     a = args_for(tmp_path, {"type": "hf", "repo_id": "zai-org/GLM-5.2-NVFP4", "endpoint": srv.url}, rev,
                  token="hf_secret_token")  # noqa: S106 (test token)
     res, failed = run(a, monkeypatch)
@@ -517,6 +573,7 @@ def test_hf_source_with_token_and_git_blob_files(tmp_path, monkeypatch, server_f
     assert res["summary"] == {"fetched": 4}
     assert "hf_secret_token" not in json.dumps(res)
     assert set(srv.auth_seen) == {"Bearer hf_secret_token"}
+    assert srv.plain_auth == []  # the token only ever went over TLS
     written = json.loads((tmp_path / "root" / "served" / "manifest.json").read_text())
     assert written["revision"] == rev
     assert {f["path"]: f["sha256"] for f in written["files"]} == {
