@@ -221,8 +221,7 @@ def test_module_names_host_vars_that_are_not_a_mapping(monkeypatch, hostvars):
     lib = load_library("pd_topology")
     hosts, recipe, sla = base()
     hosts["b300-02"] = hostvars
-    res, failed = run_module(lib.main, {"hosts": hosts, "recipe": recipe, "sla": sla, "services": b300_services()},
-                             monkeypatch=monkeypatch)
+    res, failed = run_module(lib.main, {"hosts": hosts, "recipe": recipe, "sla": sla}, monkeypatch=monkeypatch)
     assert failed
     assert any(p.startswith("host b300-02: host vars are a ") for p in res["problems"]), res["problems"]
     assert res["summary"]["hosts"] == 3
