@@ -148,19 +148,33 @@ def topologies(draw):
     return hosts, recipe, sla, services
 
 
+PYTHON, USER = "/opt/vllm/current/bin/python", "vllm"
+
+
+def _directives(unit):
+    """Section headers and directive names of a unit, in order (ExecStart continuation lines skipped)."""
+    return [line.split("=", 1)[0] for line in unit.split("\n") if line and not line.startswith((" ", "#"))]
+
+
+# What the renderer writes for the valid inventory: an accepted hostile topology may not add to it.
+BASE_DIRECTIVES = [_directives(pd_recipe.render_unit(BASE["recipe"], i, PYTHON, USER))
+                   for hv in BASE_HOSTS.values() for i in hv["pd_instances"]]
+ALLOWED_COUNT = {d: max(ds.count(d) for ds in BASE_DIRECTIVES) for ds in BASE_DIRECTIVES for d in ds}
+
+
 def _assert_rendered_safely(hosts, recipe):
-    """An accepted topology renders every unit with only the three sections and no control character."""
+    """An accepted topology renders every unit with no control character and no section or directive that the
+    valid inventory's units do not have (no injected [Service] or ExecStartPre=)."""
     for h, i in _instances(hosts):
         hv, inst = hosts[h], hosts[h]["pd_instances"][i]
         host_recipe = dict(recipe)
         host_recipe.update({k: v for k, v in (hv.get("recipe") or {}).items() if k in pd_recipe.RECIPE_KEYS})
-        unit = pd_recipe.render_unit(host_recipe, inst, "/opt/vllm/current/bin/python", "vllm")
+        unit = pd_recipe.render_unit(host_recipe, inst, PYTHON, USER)
         env = pd_recipe.render_env_file(pd_recipe.build_env(host_recipe, inst, hv["ansible_host"]), inst)
         for text in (unit, env):
             assert pd_recipe.CONTROL_CHAR_RE.search(text.replace("\n", "")) is None, text
-        sections = [line for line in unit.split("\n") if line.startswith("[")]
-        assert sections == ["[Unit]", "[Service]", "[Install]"], unit
-        assert sum(line.startswith("Exec") for line in unit.split("\n")) == 1, unit
+        directives = _directives(unit)
+        assert all(directives.count(d) <= ALLOWED_COUNT.get(d, 0) for d in directives), unit
 
 
 @settings(max_examples=200, deadline=None, database=None,
