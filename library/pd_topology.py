@@ -16,7 +16,14 @@ description:
   - "Checks: missing/unknown fields, pool, unique names, GPU sets (overlap, beyond pd_gpus_per_host, length
     = tp_size*dp_size), HTTP / NIXL side-channel range / DP RPC port collisions on a host (across kinds),
     port numbers, prefill TP <= decode TP, model / block-size / kv-cache-dtype / dtype agreement between
-    the pools, both pools present, kv roles, reserved flags, SLA types and ranges."
+    the pools, both pools present, kv roles (and that each fits its pool), reserved flags, SLA types and
+    (finite) ranges."
+  - "Checks every string written into a unit or env file (instance and served model names, model path, flag
+    and env names and values, C(ucx_net_devices), C(ansible_host)) for control characters; C(ucx_net_devices)
+    is a list of RDMA C(device:port); C(max-model-len), C(max-num-batched-tokens) and C(max-num-seqs) are
+    positive integers and C(gpu-memory-utilization) is in (0, 1]."
+  - "Checks the ports of the bundle's other listeners (O(services): router API and metrics, Prometheus, node
+    exporter) against each other and against the instances on the same host."
 version_added: "1.0.0"
 author: b300-pd contributors
 options:
@@ -35,6 +42,14 @@ options:
     description: C(pd_sla) (ttft_mean_s, tpot_mean_ms, context_min_tokens, context_max_tokens).
     type: dict
     required: true
+  services:
+    description:
+      - The bundle's other listeners, one item per host and port, checked for clashes with each other and with
+        the instances of the same host. C(field) names the inventory var that sets the port, C(service) says
+        what listens.
+    type: list
+    elements: dict
+    default: []
 attributes:
   check_mode:
     support: full
@@ -60,6 +75,9 @@ EXAMPLES = r"""
       pd_vllm_env: "{{ pd_vllm_env }}"
       pd_ucx_env: "{{ pd_ucx_env }}"
     sla: "{{ pd_sla }}"
+    services:
+      - {host: b300-03, port: 8000, field: pd_router_port, service: P/D router API}
+      - {host: b300-03, port: 9100, field: node_exporter_port, service: node exporter}
 """
 
 RETURN = r"""
@@ -85,11 +103,12 @@ def main():
             hosts=dict(type="dict", required=True),
             recipe=dict(type="dict", required=True),
             sla=dict(type="dict", required=True),
+            services=dict(type="list", elements="dict", default=[]),
         ),
         supports_check_mode=True,
     )
     hosts, recipe, sla = module.params["hosts"], module.params["recipe"], module.params["sla"]
-    problems = validate_topology(hosts, recipe, sla)
+    problems = validate_topology(hosts, recipe, sla, module.params["services"])
     summary = summarize(hosts)
     if problems:
         module.fail_json(

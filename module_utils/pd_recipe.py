@@ -10,6 +10,7 @@ Bad input raises RecipeError with a message naming the instance, the field and t
 from __future__ import annotations
 
 import json
+import math
 import re
 
 RECIPE_KEYS = (
@@ -52,9 +53,20 @@ RESERVED_ENV = {
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "the host's ansible_host",
     "VLLM_NIXL_SIDE_CHANNEL_PORT": "pd_instances[].nixl_side_channel_port",
 }
-FLAG_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-INSTANCE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# \A..\Z, not ^..$: "$" also matches before a trailing newline, which would let "prefill-a\n" through.
+FLAG_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9_-]*\Z")
+ENV_NAME_RE = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*\Z")
+INSTANCE_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9-]{0,62}\Z")
+# C0/C1 control characters and the Unicode line/paragraph separators. systemd ends a unit line at \n or \r
+# (a newline in a Description= injects directives; a \r makes the unit unloadable), the env file ends an
+# entry at \n and a NUL truncates: none belongs in a name, path, flag or env value.
+CONTROL_CHAR_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL_CHAR_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\0": "a NUL"}
+# Flags whose value the bundle reads as a count: vLLM also parses "1k" (1000) or "1K" (1024) here, the bundle
+# does not, so only a positive integer is accepted.
+TOKEN_COUNT_FLAGS = ("max-model-len", "max-num-batched-tokens", "max-num-seqs")
+# Fractions of GPU memory: vLLM accepts any float, but 0, a negative or > 1 fails only when the instance starts.
+FRACTION_FLAGS = ("gpu-memory-utilization",)
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_STATE_ROOT = "/var/lib/vllm"
@@ -80,6 +92,65 @@ def env_file_path(instance, env_dir=DEFAULT_ENV_DIR):
 
 def state_dir(instance, state_root=DEFAULT_STATE_ROOT):
     return f"{state_root.rstrip('/')}/{instance['name']}"
+
+
+def control_char(text):
+    """None when text has no control character, else which one and where ("a newline (U+000A) at 7")."""
+    match = CONTROL_CHAR_RE.search(text) if isinstance(text, str) else None
+    if match is None:
+        return None
+    ch = match.group()
+    return f"{_CONTROL_CHAR_NAMES.get(ch, 'a control character')} (U+{ord(ch):04X}) at {match.start()}"
+
+
+def check_text(value, field, where):
+    """Problems of one string that is written into a unit or env file (control characters)."""
+    found = control_char(value)
+    if found is None:
+        return []
+    return [
+        f"{where}, field {field}: {value[:60]!r} contains {found}; control characters break the systemd "
+        "unit / env file it is written to: remove it"
+    ]
+
+
+def _strings_and_floats(value, path=""):
+    """(path, leaf) for every string (keys included) and float inside a flag value, nested dicts/lists too."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield f"{path}.{key}", key
+            yield from _strings_and_floats(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for idx, item in enumerate(value):
+            yield from _strings_and_floats(item, f"{path}[{idx}]")
+    elif isinstance(value, (str, float)):
+        yield path, value
+
+
+def check_flag_value(key, value, field, where):
+    """Problems of one flag value: control characters, nan/inf, counts and fractions the bundle cannot use."""
+    problems = []
+    for path, leaf in _strings_and_floats(value):
+        if isinstance(leaf, float) and not math.isfinite(leaf):
+            problems.append(f"{where}, field {field}: flag {key!r}{path} is {leaf!r}; use a finite number")
+        elif isinstance(leaf, str):
+            problems += check_text(leaf, f"{field}.{key}{path}", where)
+    if problems or value is None or value is False:  # None / false: the flag is omitted
+        return problems
+    norm = key.replace("_", "-")
+    if norm in TOKEN_COUNT_FLAGS and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        problems.append(
+            f"{where}, field {field}: flag {key!r} is {value!r} ({type(value).__name__}); write a positive integer "
+            "without quotes or suffix (e.g. 4096, not '4k')"
+        )
+    elif norm in FRACTION_FLAGS and (
+        not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1
+    ):
+        problems.append(
+            f"{where}, field {field}: flag {key!r} is {value!r}; it is a fraction of GPU memory: use a number "
+            "in (0, 1], e.g. 0.9"
+        )
+    return problems
 
 
 def check_flag_dict(flags, field, where):
@@ -112,6 +183,8 @@ def check_flag_dict(flags, field, where):
                 f"{where}, field {field}: flag {key!r} is set per instance by the renderer from "
                 f"{RESERVED_FLAGS[norm]}; remove it here and set that field instead"
             )
+            continue
+        problems += check_flag_value(key, flags[key], field, where)
     return problems
 
 
@@ -132,8 +205,11 @@ def check_env_dict(env, field, where, allow_reserved=False):
             )
         if isinstance(value, (dict, list)) or value is None:
             problems.append(f"{where}, field {field}: {key} must be a string or number, got {type(value).__name__}")
-        elif "\n" in str(value) or "\0" in str(value):
-            problems.append(f"{where}, field {field}: {key} contains a newline or NUL; not allowed in an env file")
+        elif control_char(str(value)) is not None:
+            problems.append(
+                f"{where}, field {field}: {key} contains {control_char(str(value))}; control characters are "
+                "not allowed in an env file: remove it"
+            )
     return problems
 
 

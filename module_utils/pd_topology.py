@@ -10,6 +10,8 @@ per-host overrides of the recipe vars}}}.
 from __future__ import annotations
 
 import difflib
+import math
+import re
 
 try:  # imported as ansible.module_utils.pd_topology from modules, plainly from tests
     from ansible.module_utils.pd_recipe import (
@@ -23,6 +25,8 @@ try:  # imported as ansible.module_utils.pd_topology from modules, plainly from 
         build_flags,
         check_env_dict,
         check_flag_dict,
+        check_text,
+        control_char,
     )
 except ImportError:  # pragma: no cover - tests put module_utils/ on sys.path
     from pd_recipe import (  # type: ignore[no-redef]
@@ -36,6 +40,8 @@ except ImportError:  # pragma: no cover - tests put module_utils/ on sys.path
         build_flags,
         check_env_dict,
         check_flag_dict,
+        check_text,
+        control_char,
     )
 
 REQUIRED_FIELDS = ("name", "pool", "gpus", "tp_size", "dp_size", "http_port", "nixl_side_channel_port")
@@ -50,10 +56,23 @@ SLA_FIELDS = {
     "context_max_tokens": (int,),
 }
 MIN_UNPRIVILEGED_PORT = 1024
+# The kv roles each pool may have: prefill hands its KV cache out, decode takes it in (kv_both does either).
+POOL_KV_ROLES = {"prefill": ("kv_producer", "kv_both"), "decode": ("kv_consumer", "kv_both")}
+# One UCX_NET_DEVICES entry as the bundle uses it: an RDMA device and its port (ucx_info -d names them so, and
+# rdma_nixl / preflight look each device up in ibv_devices / /sys/class/infiniband).
+UCX_NET_DEVICE_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,63}:[1-9][0-9]{0,2}\Z")
+# A host address as it goes into VLLM_NIXL_SIDE_CHANNEL_HOST: IPv4/IPv6 literal or DNS name, nothing else.
+HOST_ADDRESS_RE = re.compile(r"\A[A-Za-z0-9_.:%-]{1,253}\Z")
 
 
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(value):
+    """repr() for a problem line, cut so a huge value does not drown the message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _suggest(word, choices):
@@ -63,7 +82,7 @@ def _suggest(word, choices):
 
 def _check_port(problems, where, field, value):
     if not _is_int(value) or not 1 <= value <= 65535:
-        problems.append(f"{where}, field {field}: {value!r} is not a TCP port; use an integer in 1024..65535")
+        problems.append(f"{where}, field {field}: {_short(value)} is not a TCP port; use an integer in 1024..65535")
         return False
     if value < MIN_UNPRIVILEGED_PORT:
         problems.append(
@@ -83,10 +102,20 @@ def validate_recipe(recipe, where="group_vars (recipe)"):
             problems.append(f"{where}, field {key}: missing; define it in group_vars/all/recipe.yml")
     model = recipe.get("pd_model_path")
     if model is not None and (not isinstance(model, str) or not model.startswith("/")):
-        problems.append(f"{where}, field pd_model_path: {model!r} is not an absolute path")
+        problems.append(f"{where}, field pd_model_path: {_short(model)} is not an absolute path")
+    else:
+        problems += check_text(model, "pd_model_path", where)
     name = recipe.get("pd_served_model_name")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         problems.append(f"{where}, field pd_served_model_name: must be a non-empty string")
+    elif control_char(name):
+        problems += check_text(name, "pd_served_model_name", where)
+    elif isinstance(name, str) and "%" in name:
+        # It is in the unit's Description=, where systemd expands %-specifiers.
+        problems.append(
+            f"{where}, field pd_served_model_name: {name!r} contains '%' (a systemd specifier in the unit's "
+            "Description); remove it"
+        )
     for key in ("pd_vllm_flags_common",):
         if recipe.get(key) is not None:
             problems += check_flag_dict(recipe[key], key, where)
@@ -112,11 +141,17 @@ def validate_recipe(recipe, where="group_vars (recipe)"):
             problems.append(f"{where}, field pd_kv_roles: must be a mapping pool -> kv role")
         else:
             for pool in POOLS:
-                if roles.get(pool) not in KV_ROLES:
+                role = roles.get(pool)
+                if not isinstance(role, str) or role not in KV_ROLES:
                     problems.append(
-                        f"{where}, field pd_kv_roles.{pool}: kv role {roles.get(pool)!r} is missing or invalid; "
-                        f"set pd_kv_roles.{pool}: {'kv_producer' if pool == 'prefill' else 'kv_consumer'} "
-                        f"(one of {', '.join(KV_ROLES)})"
+                        f"{where}, field pd_kv_roles.{pool}: kv role {_short(role)} is missing or invalid; "
+                        f"set pd_kv_roles.{pool}: {POOL_KV_ROLES[pool][0]} (one of {', '.join(KV_ROLES)})"
+                    )
+                elif role not in POOL_KV_ROLES[pool]:
+                    problems.append(
+                        f"{where}, field pd_kv_roles.{pool}: kv role {role!r} does not fit the {pool} pool "
+                        f"(it {'sends' if pool == 'prefill' else 'receives'} the KV cache); set pd_kv_roles.{pool}: "
+                        f"{POOL_KV_ROLES[pool][0]} (or {POOL_KV_ROLES[pool][1]})"
                     )
     kvc = recipe.get("pd_kv_transfer_config")
     if kvc is not None:
@@ -144,6 +179,8 @@ def validate_sla(sla):
             problems.append(f"pd_sla, field {field}: missing; set a positive {kind} in group_vars/all/sla.yml")
         elif isinstance(value, bool) or not isinstance(value, types):
             problems.append(f"pd_sla, field {field}: {value!r} is a {type(value).__name__}; use a positive {kind}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"pd_sla, field {field}: {value!r} is not a number; use a positive finite {kind}")
         elif value <= 0:
             problems.append(f"pd_sla, field {field}: {value!r} must be > 0")
     lo, hi = sla.get("context_min_tokens"), sla.get("context_max_tokens")
@@ -154,17 +191,51 @@ def validate_sla(sla):
     return problems
 
 
+def _check_ucx_net_devices(problems, where, value):
+    """UCX_NET_DEVICES of one instance: 'dev:port[,dev:port...]' of RDMA devices. Returns True when sound."""
+    fix = "use RDMA device:port names like 'mlx5_0:1,mlx5_1:1' (ibv_devices), or omit the field for UCX's default"
+    if not isinstance(value, str) or not value.strip():
+        problems.append(f"{where}, field ucx_net_devices: {_short(value)} is not a device list; {fix}")
+        return False
+    found = control_char(value)
+    if found:
+        problems.append(f"{where}, field ucx_net_devices: {_short(value)} contains {found}; {fix}")
+        return False
+    entries = value.split(",")
+    bad = [e for e in entries if not UCX_NET_DEVICE_RE.match(e)]
+    if value == "all":
+        problems.append(
+            f"{where}, field ucx_net_devices: 'all' is UCX's default; omit the field instead (the bundle checks "
+            "every listed name against ibv_devices)"
+        )
+        return False
+    if bad:
+        problems.append(
+            f"{where}, field ucx_net_devices: {', '.join(_short(e) for e in bad[:3])} not of the form device:port "
+            f"(no spaces); {fix}"
+        )
+        return False
+    twice = sorted({e for e in entries if entries.count(e) > 1})
+    if twice:
+        problems.append(f"{where}, field ucx_net_devices: {', '.join(twice)} listed twice; list each device once")
+        return False
+    return True
+
+
 def _validate_instance(problems, host, idx, inst, gpus_per_host):
     """Field-level checks of one instance. Returns True when it is sound enough for cross checks."""
     if not isinstance(inst, dict):
         problems.append(f"host {host}, pd_instances[{idx}]: must be a mapping, got {type(inst).__name__}")
         return False
     name = inst.get("name")
-    where = f"host {host}, instance {name}" if name else f"host {host}, pd_instances[{idx}]"
+    # A name with a control character (or not a string) is located by index; the name check shows it quoted.
+    where = (f"host {host}, instance {name}" if isinstance(name, str) and name and not control_char(name)
+             else f"host {host}, pd_instances[{idx}]")
     ok = True
     for field in inst:
         if field not in KNOWN_FIELDS:
-            problems.append(f"{where}, field {field}: unknown field; remove it{_suggest(field, KNOWN_FIELDS)}")
+            problems.append(f"{where}, field {_short(field) if control_char(str(field)) else field}: unknown field; "
+                            f"remove it{_suggest(field, KNOWN_FIELDS)}")
             ok = False
     for field in REQUIRED_FIELDS:
         if field not in inst or inst[field] is None:
@@ -172,18 +243,20 @@ def _validate_instance(problems, host, idx, inst, gpus_per_host):
             ok = False
     if name is not None and (not isinstance(name, str) or not INSTANCE_NAME_RE.match(name)):
         problems.append(
-            f"{where}, field name: {name!r} is not a valid name; use lowercase letters, digits and '-' "
+            f"{where}, field name: {_short(name)} is not a valid name; use lowercase letters, digits and '-' "
             "(it becomes vllm-<name>.service)"
         )
         ok = False
     pool = inst.get("pool")
-    if pool is not None and pool not in POOLS:
-        problems.append(f"{where}, field pool: {pool!r} is not a pool; use prefill or decode{_suggest(pool, POOLS)}")
+    if pool is not None and (not isinstance(pool, str) or pool not in POOLS):
+        problems.append(
+            f"{where}, field pool: {_short(pool)} is not a pool; use prefill or decode{_suggest(pool, POOLS)}"
+        )
         ok = False
     for field in ("tp_size", "dp_size"):
         v = inst.get(field)
         if v is not None and (not _is_int(v) or v < 1):
-            problems.append(f"{where}, field {field}: {v!r} must be an integer >= 1")
+            problems.append(f"{where}, field {field}: {_short(v)} must be an integer >= 1")
             ok = False
     for field in ("http_port", "nixl_side_channel_port"):
         if inst.get(field) is not None and not _check_port(problems, where, field, inst[field]):
@@ -202,8 +275,7 @@ def _validate_instance(problems, host, idx, inst, gpus_per_host):
         problems.append(f"{where}, field nixl_side_channel_port: range {base}..{base + dp - 1} passes 65535; lower it")
         ok = False
     ucx = inst.get("ucx_net_devices")
-    if ucx is not None and (not isinstance(ucx, str) or not ucx.strip()):
-        problems.append(f"{where}, field ucx_net_devices: must be a string like 'mlx5_0:1,mlx5_1:1'")
+    if ucx is not None and not _check_ucx_net_devices(problems, where, ucx):
         ok = False
     before = len(problems)
     problems += check_flag_dict(inst.get("extra_flags"), "extra_flags", where)
@@ -212,7 +284,9 @@ def _validate_instance(problems, host, idx, inst, gpus_per_host):
     gpus = inst.get("gpus")
     if gpus is not None:
         if not isinstance(gpus, list) or any(not _is_int(g) or g < 0 for g in gpus):
-            problems.append(f"{where}, field gpus: {gpus!r} must be a list of GPU indexes (integers >= 0), [] on CPU")
+            problems.append(
+                f"{where}, field gpus: {_short(gpus)} must be a list of GPU indexes (integers >= 0), [] on CPU"
+            )
             return False
         if len(set(gpus)) != len(gpus):
             problems.append(f"{where}, field gpus: {gpus} lists a GPU twice")
@@ -253,10 +327,51 @@ def _port_claims(inst):
     return claims
 
 
-def validate_topology(hosts, recipe, sla):
+def _service_claims(problems, services):
+    """host -> [(port, what, field)] of the bundle's other listeners (router, Prometheus, ...); bad entries reported."""
+    claims = {}
+    if services is None:
+        return claims
+    if not isinstance(services, list):
+        problems.append(
+            f"services: {_short(services)} is not a list of {{host, port, field, service}} "
+            "(playbooks/validate.yml builds it from the router / monitoring vars)"
+        )
+        return claims
+    for svc in services:
+        if not isinstance(svc, dict) or not isinstance(svc.get("host"), str):
+            problems.append(f"services: {_short(svc)} is not a {{host, port, field, service}} mapping with a host name")
+            continue
+        host, field, what = svc["host"], str(svc.get("field") or "port"), str(svc.get("service") or "service")
+        port = svc.get("port")
+        if isinstance(port, str) and re.fullmatch(r"[0-9]{1,5}", port):  # the roles read these ports with | int
+            port = int(port)
+        if not _is_int(port) or not 1 <= port <= 65535:
+            problems.append(
+                f"host {host}, field {field}: {_short(port)} is not a TCP port ({what}); use an integer in 1024..65535"
+            )
+            continue
+        claims.setdefault(host, []).append((port, f"{field} ({what})", field))
+    return claims
+
+
+def _claim_port(problems, claimed, port, what, *, where, field):
+    """Record one listener of a host in claimed (port -> what); a port claimed twice is a problem."""
+    if port in claimed:
+        problems.append(
+            f"{where}, field {field}: port {port} ({what}) is already the {claimed[port]}; pick a free port"
+        )
+    else:
+        claimed[port] = what
+
+
+def validate_topology(hosts, recipe, sla, services=None):
+    """Every problem of the topology, one line each. services: the bundle's other listeners, a list of
+    {host, port, field, service} (router API and metrics, Prometheus, node exporter), checked for port clashes."""
     problems = validate_recipe(recipe)
     recipe_ok = not problems  # a broken recipe is reported once, not again for every instance
     problems += validate_sla(sla)
+    service_claims = _service_claims(problems, services)
     if not isinstance(hosts, dict) or not hosts:
         problems.append(
             "group vllm_hosts: no hosts; put the vLLM servers in group vllm_hosts of the inventory (hosts.yml)"
@@ -264,21 +379,37 @@ def validate_topology(hosts, recipe, sla):
         return problems
     names = {}
     good = []  # (host, instance, host_recipe)
-    for host, hv in hosts.items():
+    for host_key, hv in hosts.items():
+        host = str(host_key)  # a YAML key such as 10 is an int; problem lines join host names
         if not isinstance(hv, dict):
-            problems.append(f"host {host}: host vars are not a mapping")
+            problems.append(
+                f"host {host}: host vars are a {type(hv).__name__}, not a mapping; write them as key: value pairs"
+            )
             continue
         addr = hv.get("ansible_host")
-        if not isinstance(addr, str) or not addr.strip():
+        if addr is None or (isinstance(addr, str) and not addr.strip()):
             problems.append(f"host {host}, field ansible_host: missing; set the host's address in hosts.yml")
+        elif not isinstance(addr, str) or not HOST_ADDRESS_RE.match(addr):
+            problems.append(
+                f"host {host}, field ansible_host: {_short(addr)} is not an IP address or DNS name (it becomes "
+                "VLLM_NIXL_SIDE_CHANNEL_HOST); fix it in hosts.yml"
+            )
         gph = hv.get("pd_gpus_per_host")
         if not _is_int(gph) or gph < 0:
             problems.append(
-                f"host {host}, field pd_gpus_per_host: {gph!r} must be an integer >= 0 (8 on B300, 0 on CPU)"
+                f"host {host}, field pd_gpus_per_host: {_short(gph)} must be an integer >= 0 (8 on B300, 0 on CPU)"
             )
             gph = None
         host_recipe = dict(recipe) if isinstance(recipe, dict) else {}
-        overrides = hv.get("recipe") or {}
+        overrides = hv.get("recipe")
+        if overrides is None:
+            overrides = {}
+        elif not isinstance(overrides, dict):
+            problems.append(
+                f"host {host}, field recipe: the host's own recipe vars are a {type(overrides).__name__}; "
+                f"they must be a mapping of recipe var -> value ({', '.join(RECIPE_KEYS[:2])}, ...)"
+            )
+            overrides = {}
         changed = {k: v for k, v in overrides.items() if k in RECIPE_KEYS and v != host_recipe.get(k)}
         host_recipe_ok = recipe_ok
         if changed:
@@ -317,18 +448,14 @@ def validate_topology(hosts, recipe, sla):
                     )
                 else:
                     owner[g] = inst["name"]
-        # Port collisions on the host (HTTP, NIXL side-channel ranges, DP RPC), across kinds.
+        # Port collisions on the host (the bundle's other listeners, HTTP, NIXL side-channel ranges, DP RPC).
         claimed = {}
+        for port, what, field in service_claims.pop(host, []):
+            _claim_port(problems, claimed, port, what, where=f"host {host}", field=field)
         for inst in host_good:
             for port, what in _port_claims(inst):
-                if port in claimed:
-                    field = what.split(" of ")[0].replace("NIXL side-channel port", "nixl_side_channel_port")
-                    problems.append(
-                        f"host {host}, instance {inst['name']}, field {field}: port {port} ({what}) is already "
-                        f"the {claimed[port]}; pick a free port"
-                    )
-                else:
-                    claimed[port] = what
+                field = what.split(" of ")[0].replace("NIXL side-channel port", "nixl_side_channel_port")
+                _claim_port(problems, claimed, port, what, where=f"host {host}, instance {inst['name']}", field=field)
         for inst in host_good if host_recipe_ok else []:
             try:
                 build_argv(host_recipe, inst)
@@ -337,6 +464,10 @@ def validate_topology(hosts, recipe, sla):
                 problems.append(f"host {host}, {exc}")
                 continue
             good.append((host, inst, host_recipe))
+    for host, claims in service_claims.items():  # hosts without vLLM instances (router, monitoring)
+        claimed = {}
+        for port, what, field in claims:
+            _claim_port(problems, claimed, port, what, where=f"host {host}", field=field)
     for name, where in names.items():
         if len(where) > 1:
             problems.append(
@@ -346,7 +477,7 @@ def validate_topology(hosts, recipe, sla):
     # Cluster-wide P/D consistency.
     by_pool = {p: [(h, i, r) for h, i, r in good if i["pool"] == p] for p in POOLS}
     declared = {p for hv in hosts.values() if isinstance(hv, dict) and isinstance(hv.get("pd_instances"), list)
-                for i in hv["pd_instances"] if isinstance(i, dict) for p in [i.get("pool")]}
+                for i in hv["pd_instances"] if isinstance(i, dict) for p in [i.get("pool")] if isinstance(p, str)}
     for pool in POOLS:
         if pool not in declared:
             problems.append(
@@ -384,11 +515,15 @@ def validate_topology(hosts, recipe, sla):
 
 
 def summarize(hosts):
+    """Hosts, instances per pool and GPUs; tolerant of any input (it is also returned when validation fails)."""
     out = {"hosts": 0, "instances": {p: [] for p in POOLS}, "gpus": 0}
-    for host, hv in (hosts or {}).items():
+    for host, hv in (hosts.items() if isinstance(hosts, dict) else []):
         out["hosts"] += 1
-        for inst in (hv or {}).get("pd_instances") or []:
-            if isinstance(inst, dict) and inst.get("pool") in POOLS:
-                out["instances"][inst["pool"]].append(f"{host}/{inst.get('name')}")
-                out["gpus"] += len(inst.get("gpus") or [])
+        insts = hv.get("pd_instances") if isinstance(hv, dict) else None
+        for inst in insts if isinstance(insts, list) else []:
+            pool = inst.get("pool") if isinstance(inst, dict) else None
+            if isinstance(pool, str) and pool in POOLS:
+                out["instances"][pool].append(f"{host}/{inst.get('name')}")
+                gpus = inst.get("gpus")
+                out["gpus"] += len(gpus) if isinstance(gpus, list) else 0
     return out
