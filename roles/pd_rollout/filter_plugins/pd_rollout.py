@@ -15,7 +15,9 @@ are left, whole requests go to the remaining prefill instances as regular (coloc
 ``pd_rollout_queue(metrics_text)``: ``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` summed over
 every label set of a vLLM ``/metrics`` page; None when neither metric is there.
 
-``pd_rollout_unit_exec(unit_text)``: ``{python, argv}`` of a vllm-<name>.service ExecStart= line.
+``pd_rollout_unit_exec(unit_text)``: ``{python, argv}`` of a vllm-<name>.service ExecStart= line: the venv's
+interpreter and the arguments after the entry point (``<venv>/bin/vllm serve``, ``<python> -m pd_vllm_cli serve``
+or, in units rendered before those, ``<python> -m vllm.entrypoints.openai.api_server``).
 
 ``pd_rollout_compat_key(versions, argv, flags)``: the compatibility key of an instance: vLLM and NIXL
 versions and the values of the NIXL-relevant ``flags`` in its argv.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
 import shlex
 
@@ -181,9 +184,13 @@ def pd_rollout_unit_exec(unit_text):
         words = shlex.split(cmd.replace("%%", "%"))
         if not words:
             break
-        python = words[0].lstrip("-@+!:")
-        argv = words[1:]
-        if argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:
+        program = words[0].lstrip("-@+!:")
+        python, argv = program, words[1:]
+        if posixpath.basename(program) == "vllm" and argv[:1] == ["serve"]:  # the console script beside python
+            python, argv = posixpath.join(posixpath.dirname(program), "python"), argv[1:]
+        elif argv[:3] == ["-m", "pd_vllm_cli", "serve"]:
+            argv = argv[3:]
+        elif argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:  # units rendered before `vllm serve`
             argv = argv[2:]
         return {"python": python, "argv": argv}
     _fail("pd_rollout: the unit file has no ExecStart= line (is it a vllm_serve unit?)")
