@@ -227,6 +227,10 @@ def _flag_values(argv, flags):
                 vals[flag] = True if nxt.startswith("--") or nxt == "" else nxt
             elif a.startswith(opt + "="):
                 vals[flag] = a.split("=", 1)[1]
+    # `vllm serve <model>`: the positional model is the model (it wins over --model in ServeSubcommand.cmd()), so
+    # a unit of that form and one of the older `--model <path>` form have the same key when they serve the same.
+    if "model" in flags and argv and not argv[0].startswith("-"):
+        vals["model"] = argv[0]
     for flag in _NOT_HASHED:
         if flag in vals:
             vals[flag] = _hashed_part(flag, vals[flag])
