@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 import urllib.error
@@ -72,29 +73,45 @@ def calibrated_prompt(stack: Stack, tokenize_url: str, tokens: int, seed: int) -
     return text
 
 
+# CPU seconds of every process in a unit's cgroup (utime + stime + reaped children, /proc/<pid>/stat), summed:
+# works with cgroup v1 hosts without per-unit CPU accounting (the nspawn test hosts), unlike CPUUsageNSec.
+_UNIT_CPU = (
+    "import os,sys\n"
+    "tck=os.sysconf('SC_CLK_TCK')\n"
+    "for u in sys.argv[1:]:\n"
+    "  t=0\n"
+    "  for base in ('/sys/fs/cgroup/unified','/sys/fs/cgroup/systemd','/sys/fs/cgroup'):\n"
+    "    f=base+'/system.slice/'+u+'/cgroup.procs'\n"
+    "    if os.path.exists(f): break\n"
+    "  for pid in open(f).read().split():\n"
+    "    try: st=open('/proc/'+pid+'/stat').read().rsplit(')',1)[1].split()\n"
+    "    except OSError: continue\n"
+    "    t+=sum(int(x) for x in st[11:15])\n"
+    "  print(u, t/tck)\n"
+)
+
+
 def idle_cpu(stack: Stack, window: float) -> dict:
-    """% of one core per unit over `window` seconds of no traffic (systemd's CPUUsageNSec of each unit)."""
+    """% of one core per unit over `window` seconds of no traffic (CPU time of the unit's processes)."""
     units = {(i["host"], f"vllm-{i['name']}.service"): i["name"] for i in stack.instances}
     units[(stack.router_host, f"{stack.router_service}.service")] = "router"
+    script = shlex.quote(_UNIT_CPU)
 
-    def sample() -> dict:
+    def sample() -> tuple[dict, float]:
         got = {}
         for host in sorted({h for h, _ in units}):
             names = [u for h, u in units if h == host]
-            out = stack.run(host, "systemctl show -p Id -p CPUUsageNSec " + " ".join(names))
-            cur = None
-            for line in out.splitlines():
-                key, _, val = line.strip().partition("=")
-                if key == "Id":
-                    cur = val
-                elif key == "CPUUsageNSec" and cur and val.isdigit():
-                    got[(host, cur)] = int(val)
+            out = stack.run(host, f"python3 -c {script} " + " ".join(names))
+            for line in out.replace("\\n", "\n").splitlines():
+                unit, _, secs = line.strip().partition(" ")
+                if (host, unit) in units:
+                    got[(host, unit)] = float(secs)
         return got, time.monotonic()
 
     first, t0 = sample()
     time.sleep(window)
     second, t1 = sample()
-    return {units[k]: round(100.0 * (second[k] - first[k]) / 1e9 / (t1 - t0), 1)
+    return {units[k]: round(100.0 * (second[k] - first[k]) / (t1 - t0), 1)
             for k in units if k in first and k in second}
 
 
