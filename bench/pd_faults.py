@@ -13,8 +13,10 @@ Scenarios:
   kill-prefill   kill -9 the main process of the first prefill instance (in-flight prefills and KV transfers die);
                  recovered = systemd restarted it and its /health answers 200
   kill-decode    the same for the first decode instance
-  stop-router    systemctl stop the router for --router-down-s seconds, then start it; recovered = a completion
-                 through the router succeeds again
+  kill-router    kill -9 the first P/D router unit of the first router host (the front door's other routers serve);
+                 recovered = systemd restarted it and its /health answers 200
+  stop-router    systemctl stop that router unit for --router-down-s seconds, then start it; recovered = a
+                 completion through the front door succeeds again
   corrupt-shard  overwrite 4 KiB in the middle of the largest weight file under pd_model_path on one vLLM host
                  (the served instance keeps its weights in memory), then run playbooks/provision.yml on that host:
                  model_weights' full verification must find the damaged file and fetch it again; recovered = the
@@ -43,10 +45,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from pd_load import LoadGenerator  # noqa: E402
+from pd_load import LoadGenerator, client_api_key  # noqa: E402
 
 VENV_BIN = ROOT / ".venv" / "bin"
-SCENARIOS = ("kill-prefill", "kill-decode", "stop-router", "corrupt-shard", "disk-full")
+SCENARIOS = ("kill-prefill", "kill-decode", "kill-router", "stop-router", "corrupt-shard", "disk-full")
 FILLER = ".pd-fault-disk-full"
 
 
@@ -71,7 +73,8 @@ class Stack:
         router = data["router_hosts"]["hosts"][0]
         self.router_host = router
         self.router_url = f"http://{hv[router]['ansible_host']}:{hv[router]['pd_router_port']}"
-        self.router_service = hv[router].get("pd_router_service_name", "vllm-router")
+        # The first P/D router unit of the first router host (the front door has the others).
+        self.router_unit = next(u for u in hv[router]["pd_router_units"] if u["mode"] == "pd")
         self.model = hv[router]["pd_served_model_name"]
 
     def run(self, host: str, command: str, timeout: int = 120, check: bool = True) -> str:
@@ -87,7 +90,8 @@ class Stack:
     def completion_ok(self) -> bool:
         body = json.dumps({"model": self.model, "prompt": "Q: 2+2= A:", "max_tokens": 2, "temperature": 0}).encode()
         req = urllib.request.Request(f"{self.router_url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {client_api_key()}"})
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 return bool(json.load(resp).get("choices"))
@@ -128,10 +132,29 @@ def kill_instance(stack: Stack, pool: str, timeout: float) -> dict:
 
 
 def stop_router(stack: Stack, down_s: float, timeout: float) -> dict:
-    stack.run(stack.router_host, f"systemctl stop {stack.router_service}")
+    unit = stack.router_unit["name"]
+    stack.run(stack.router_host, f"systemctl stop {unit}")
     time.sleep(down_s)
-    stack.run(stack.router_host, f"systemctl start {stack.router_service}")
-    return {"down_s": down_s, "routing_after_start_s": wait_until(stack.completion_ok, timeout)}
+    stack.run(stack.router_host, f"systemctl start {unit}")
+    return {"router_unit": unit, "down_s": down_s, "routing_after_start_s": wait_until(stack.completion_ok, timeout)}
+
+
+def kill_router(stack: Stack, timeout: float) -> dict:
+    """kill -9 of one P/D router unit's process (systemd restarts it); the front door has the others."""
+    unit = stack.router_unit
+    svc = f"{unit['name']}.service"
+    before = int(stack.run(stack.router_host, f"systemctl show -p NRestarts --value {svc}"))
+    pid = stack.run(stack.router_host, f"systemctl show -p MainPID --value {svc}")
+    stack.run(stack.router_host, f"kill -9 {pid}")
+
+    def answering_again() -> bool:
+        out = stack.run(stack.router_host, f"echo $(systemctl show -p NRestarts --value {svc}) "
+                        f"$(curl -s -o /dev/null -w '%{{http_code}}' -m 5 http://127.0.0.1:{unit['port']}/health)",
+                        check=False).split()
+        return len(out) == 2 and int(out[0]) > before and out[1] == "200"
+
+    return {"router_unit": unit["name"], "killed_pid": pid,
+            "healthy_after_s": wait_until(answering_again, timeout, interval=2)}
 
 
 def largest_weight_file(stack: Stack, host: str) -> str:
@@ -201,6 +224,7 @@ def disk_full(stack: Stack, timeout: float) -> dict:
 
 def run_scenario(stack: Stack, name: str, args) -> dict:
     load = LoadGenerator(url=stack.router_url, model=stack.model, concurrency=args.concurrency,
+                         api_key=client_api_key(),
                          max_tokens=args.max_tokens, prompt_words=args.prompt_words, timeout=args.request_timeout,
                          bucket=1.0, max_failed=10**9, min_completed=0)
     load.start()
@@ -211,6 +235,8 @@ def run_scenario(stack: Stack, name: str, args) -> dict:
             detail = kill_instance(stack, "prefill", args.recovery_timeout)
         elif name == "kill-decode":
             detail = kill_instance(stack, "decode", args.recovery_timeout)
+        elif name == "kill-router":
+            detail = kill_router(stack, args.recovery_timeout)
         elif name == "stop-router":
             detail = stop_router(stack, args.router_down_s, args.recovery_timeout)
         elif name == "corrupt-shard":

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from pd_faults import Stack, wait_until  # noqa: E402
-from pd_load import latency_stats, percentile, word_prompt  # noqa: E402
+from pd_load import client_api_key, latency_stats, percentile, word_prompt  # noqa: E402
 
 SCHEMA = "pd_latency/1"
 PATHS = ("colocated", "pd", "split_prefill", "split_decode")
@@ -49,7 +49,11 @@ PATHS = ("colocated", "pd", "split_prefill", "split_decode")
 def post(url: str, body: dict, timeout: float) -> tuple[float, dict]:
     """POST JSON, return (seconds, parsed answer); raises on HTTP errors (the caller counts them)."""
     data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    key = client_api_key()
+    if key:  # the front door needs it; the instances ignore it
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - URLs from the inventory
         out = json.load(resp)

@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from urllib.parse import urlsplit
 
 SCHEMA = "pd_load/1"
@@ -287,6 +288,18 @@ def _usage_tokens(obj: dict):
 
 
 # --------------------------------------------------------------------------------------------- generator
+def client_api_key() -> str | None:
+    """The front door's client key for the bench tools and tests, never from argv: $PD_LOAD_API_KEY, else the file
+    $PD_API_KEY_FILE, else the local stack's key made by scripts/bootstrap (.cache/frontdoor/api-key)."""
+    if os.environ.get("PD_LOAD_API_KEY"):
+        return os.environ["PD_LOAD_API_KEY"]
+    path = os.environ.get("PD_API_KEY_FILE") or str(Path(__file__).resolve().parents[1] / ".cache/frontdoor/api-key")
+    try:
+        return Path(path).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 class LoadGenerator:
     """Background load through the router; start() / stop() / report(), or run() to block until done.
 
@@ -884,8 +897,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not send ignore_eos/min_tokens (vLLM extensions); then min output is 1 token")
     ap.add_argument("--min-output-tokens", type=int, help="fewer completion tokens = failed short_output "
                     "(default: max-tokens, or 1 with --no-ignore-eos)")
-    ap.add_argument("--api-key", default=os.environ.get("PD_LOAD_API_KEY"),
-                    help="Bearer token (default: $PD_LOAD_API_KEY; the env var keeps it out of ps)")
+    ap.add_argument("--api-key", default=client_api_key(),
+                    help="Bearer token (default: $PD_LOAD_API_KEY, else the file $PD_API_KEY_FILE, else the local "
+                    "stack's .cache/frontdoor/api-key; the env var or file keeps it out of ps)")
     ap.add_argument("--seed", type=int, default=d.seed, help="prompt seed (request n uses seed*1000003+n)")
     ap.add_argument("--error-samples", type=int, default=d.error_samples, help="failed requests kept per "
                     "failure class, with their body excerpt (default 3)")

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -27,6 +28,8 @@ VENV_BIN = ROOT / ".venv" / "bin"
 INVENTORY = "inventory/local"
 REPORTS = ROOT / "reports" / "ci"
 ENV = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), PATH=f"{VENV_BIN}:{os.environ['PATH']}")
+sys.path.insert(0, str(ROOT / "bench"))
+from pd_load import LoadGenerator, client_api_key  # noqa: E402
 
 
 def record(name: str, figures: dict) -> None:
@@ -61,7 +64,9 @@ def recap(output: str) -> dict[str, dict[str, int]]:
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 120) -> dict:
     data = json.dumps(payload).encode() if payload is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    # The front door's key (the instances ignore it).
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          "Authorization": f"Bearer {client_api_key()}"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.load(resp)
 
@@ -174,35 +179,147 @@ def test_second_site_run_changes_nothing():
     assert not changed, f"second run changed something: {changed}"
 
 
-def test_killed_decode_engine_is_restarted_and_routing_resumes(inventory):
+def raw_request(url: str, method: str = "GET", headers: dict | None = None, body: bytes | None = None,
+                timeout: float = 30) -> tuple[int, str]:
+    """(status, body) of one request; connection errors raise."""
+    req = urllib.request.Request(url, data=body, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+# vllm-router's admin and internal paths (src/server.rs of 0.1.17): none may be reachable from a client address.
+ROUTER_ADMIN = [("GET", "/workers"), ("POST", "/workers"), ("DELETE", "/workers/http%3A%2F%2F10.0.0.1%3A1"),
+                ("POST", "/add_worker?url=http://10.0.0.1:1"), ("POST", "/remove_worker?url=http://10.0.0.1:1"),
+                ("GET", "/list_workers"), ("POST", "/flush_cache"), ("GET", "/get_loads"), ("GET", "/get_server_info"),
+                ("GET", "/get_model_info"), ("GET", "/liveness"), ("GET", "/readiness"), ("GET", "/metrics")]
+
+
+def test_front_door_refuses_clients_without_the_key_and_every_admin_path(inventory):
+    url, key = inventory["router_url"], client_api_key()
+    assert key, "no client key: scripts/bootstrap writes .cache/frontdoor/api-key"
+    body = json.dumps({"model": inventory["model"], "prompt": "Q: 1+1= A:", "max_tokens": 2}).encode()
+    ctype = {"Content-Type": "application/json"}
+    refused = {}
+    for name, headers in (("no key", ctype), ("wrong key", {**ctype, "Authorization": "Bearer " + "0" * 64}),
+                          ("key without Bearer", {**ctype, "Authorization": key}),
+                          ("basic auth", {**ctype, "Authorization": "Basic " + key})):
+        refused[name] = raw_request(f"{url}/v1/completions", "POST", headers, body)[0]
+    refused["models, no key"] = raw_request(f"{url}/v1/models")[0]
+    admin = {f"{m} {p}": raw_request(url + p, m, {**ctype, "Authorization": f"Bearer {key}"},
+                                     b"{}" if m == "POST" else None)[0] for m, p in ROUTER_ADMIN}
+    # The routers themselves listen on loopback only: nothing answers on their ports from a client address.
+    router_host = inventory["hostvars"][inventory["router_host"]]
+    direct = {}
+    for unit in router_host["pd_router_units"]:
+        for port in (unit["port"],):
+            try:
+                direct[f"{unit['name']}:{port}"] = raw_request(f"http://{router_host['ansible_host']}:{port}/workers",
+                                                                timeout=5)[0]
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                direct[f"{unit['name']}:{port}"] = f"unreachable ({getattr(e, 'reason', e)})"
+    ok_status, ok_body = raw_request(f"{url}/v1/completions", "POST", {**ctype, "Authorization": f"Bearer {key}"},
+                                     body, timeout=180)
+    health = raw_request(f"{url}/health")[0]
+    record("front-door-auth", {"refused": refused, "admin_paths": admin, "router_ports_from_client": direct,
+                               "with_key": ok_status, "health_without_key": health})
+    assert all(v == 401 for v in refused.values()), refused
+    assert all(v == 404 for v in admin.values()), admin
+    assert all(str(v).startswith("unreachable") for v in direct.values()), direct
+    assert ok_status == 200 and json.loads(ok_body)["choices"], ok_body[:500]
+    assert health == 200
+
+
+def test_client_key_is_in_no_argv_log_or_world_readable_file(inventory):
+    """On the router host: the key file nginx reads is root-only; no process argv, journal, log file or
+    world-readable file holds the key. The key goes to grep on stdin-like file (-f), never in its argv."""
+    router = inventory["router_host"]
+    keyfile = "/root/.pd-test-key"
+    script = f"""set -eu
+umask 077
+sed -n 's/^"Bearer \\(.*\\)" 1;$/\1/p' /etc/nginx/pd-frontdoor/api-keys.map > {keyfile}
+test -s {keyfile}
+echo "mode $(stat -c '%a %U:%G' /etc/nginx/pd-frontdoor/api-keys.map)"
+argv=0
+for f in /proc/[0-9]*/cmdline; do tr '\0' ' ' < "$f" 2>/dev/null | grep -q -F -f {keyfile} && argv=$((argv+1)); done
+echo "argv $argv"
+echo "journal $(journalctl --no-pager -q 2>/dev/null | grep -c -F -f {keyfile} || true)"
+echo "logs $(grep -r -l -F -f {keyfile} /var/log 2>/dev/null | wc -l)"
+echo "world-readable $(find /etc /opt /srv /var /home /root /tmp /run -xdev -type f -perm -o+r -size -20M \
+    -exec grep -l -F -f {keyfile} {{}} + 2>/dev/null | wc -l)"
+rm -f {keyfile}
+"""
+    out = host_cmd(router, script)
+    found = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    record("front-door-key-exposure", found)
+    assert found["mode"] == "600 root:root", found
+    assert found["argv"] == "0" and found["journal"] == "0" and found["logs"] == "0", found
+    assert found["world-readable"] == "0", found
+
+
+def frontdoor_paths(router: str) -> dict:
+    """Requests the front door has served, by path (pd | colocated | none), from its mtail metrics."""
+    text = host_cmd(router, "curl -sf http://127.0.0.1:3903/metrics")
+    out: dict = {}
+    for m in re.finditer(r'^pd_frontdoor_requests_total\{([^}]*)\} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out[labels.get("path", "?")] = out.get(labels.get("path", "?"), 0) + float(m.group(2))
+    return out
+
+
+def test_decode_kill_under_load_fails_no_request(inventory):
+    """kill -9 of the decode engine under steady load through the front door: 0 failed requests, served
+    colocated within 10 s, P/D again once systemd has restarted the decode."""
     decode = next(i for i in inventory["instances"] if i["pool"] == "decode")
     unit = f"vllm-{decode['name']}.service"
+    router = inventory["router_host"]
 
     def nrestarts() -> int:
         return int(host_cmd(decode["host"], f"systemctl show -p NRestarts --value {unit}").strip())
 
     before = nrestarts()
-    pid = host_cmd(decode["host"], f"systemctl show -p MainPID --value {unit}").strip()
-    assert pid not in ("", "0"), f"{unit} has no main process"
-    host_cmd(decode["host"], f"kill -9 {pid}")
-    t0 = time.monotonic()
-    failed_probes = 0
-    restarted = False
-    while True:
-        assert time.monotonic() - t0 < 600, f"routing did not resume within 600 s of killing {unit}"
-        restarted = restarted or nrestarts() > before
-        try:
-            ok = bool(complete_through_router(inventory).get("choices"))
-        except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError):
-            ok = False
-        failed_probes += not ok
-        if ok and restarted:
-            break
-        time.sleep(2)
-    after = nrestarts()
-    record("kill-decode", {"recovered_s": round(time.monotonic() - t0, 1), "failed_probes": failed_probes,
-                           "nrestarts_before": before, "nrestarts_after": after})
-    assert after == before + 1
+    gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], concurrency=2, max_tokens=8,
+                        prompt_words=32, timeout=300, api_key=client_api_key())
+    gen.start()
+    try:
+        time.sleep(15)
+        paths0 = frontdoor_paths(router)
+        pid = host_cmd(decode["host"], f"systemctl show -p MainPID --value {unit}").strip()
+        assert pid not in ("", "0"), f"{unit} has no main process"
+        host_cmd(decode["host"], f"kill -9 {pid}")
+        t0 = time.monotonic()
+        colocated_s = None
+        while colocated_s is None and time.monotonic() - t0 < 60:
+            if frontdoor_paths(router).get("colocated", 0) > paths0.get("colocated", 0):
+                colocated_s = round(time.monotonic() - t0, 1)
+            else:
+                time.sleep(1)
+        restarted_s = pd_again_s = None
+        while time.monotonic() - t0 < 600:
+            if restarted_s is None and nrestarts() > before:
+                restarted_s = round(time.monotonic() - t0, 1)
+            if restarted_s is not None:
+                p1 = frontdoor_paths(router).get("pd", 0)
+                time.sleep(5)
+                if frontdoor_paths(router).get("pd", 0) > p1:
+                    pd_again_s = round(time.monotonic() - t0, 1)
+                    break
+            else:
+                time.sleep(3)
+        time.sleep(10)
+    finally:
+        load = gen.stop()
+    record("kill-decode", {"colocated_after_s": colocated_s, "restarted_after_s": restarted_s,
+                           "pd_again_after_s": pd_again_s, "paths_before": paths0,
+                           "paths_after": frontdoor_paths(router),
+                           "load": {k: load.get(k) for k in ("sent", "completed", "failed", "failures",
+                                                             "error_samples", "longest_completion_gap_s")}})
+    assert load["failed"] == 0 and load["completed"] > 0, (load["failures"], load["error_samples"])
+    assert colocated_s is not None and colocated_s <= 10, f"served colocated after {colocated_s} s (limit 10 s)"
+    assert restarted_s is not None, f"{unit} was not restarted within 600 s"
+    assert pd_again_s is not None, "P/D did not resume within 600 s of the kill"
 
 
 @pytest.mark.upgrade
@@ -212,11 +329,6 @@ def test_rolling_flag_change_under_load_drops_no_request(inventory):
     A flag outside NIXL's compatibility hash changes for every instance, so all three are drained, restarted,
     checked and put back one at a time while the decode restart is served colocated by the prefill pool.
     """
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from pd_load import LoadGenerator
-
     router = inventory["router_host"]
     # inventory/local keeps the router in IGW mode (pd_router_igw), as a cluster that rolls does; the playbook's
     # first play refuses a router that cannot drain.
@@ -235,7 +347,7 @@ def test_rolling_flag_change_under_load_drops_no_request(inventory):
     flags["max-num-seqs"] = 8 if flags.get("max-num-seqs") != 8 else 16
     before = set(REPORTS.parent.glob("rolling_upgrade-*.json"))
     gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], concurrency=2, max_tokens=8,
-                        prompt_words=32, timeout=300)
+                        prompt_words=32, timeout=300, api_key=client_api_key())
     gen.start()
     t1 = time.monotonic()
     try:
@@ -260,8 +372,11 @@ def test_rolling_flag_change_under_load_drops_no_request(inventory):
     assert decode["served_meanwhile"] == "colocated", decode
     # Prefill instances roll while the other prefill + decode pair serves P/D; P/D resumes at the end.
     assert all(i["served_meanwhile"] == "pd" for i in instances if i["pool"] == "prefill"), instances
-    registry = json.loads(host_cmd(router, "/opt/vllm-router/current/bin/python /opt/vllm-router/bin/pd-router-workers"
-                                           f" --router http://127.0.0.1:{inventory['hostvars'][router]['pd_router_port']}"
-                                           " list"))
-    assert sorted({w["worker_type"] for w in registry["workers"]}) == ["decode", "prefill"], registry
+    for unit in inventory["hostvars"][router]["pd_router_units"]:
+        if unit["mode"] != "pd":
+            continue
+        registry = json.loads(host_cmd(router, "/opt/vllm-router/current/bin/python "
+                                               "/opt/vllm-router/bin/pd-router-workers"
+                                               f" --router http://127.0.0.1:{unit['port']} list"))
+        assert sorted({w["worker_type"] for w in registry["workers"]}) == ["decode", "prefill"], (unit, registry)
     assert load["completed"] > 0 and load["failed"] == 0, (load["failures"], load["error_samples"])

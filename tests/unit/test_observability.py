@@ -60,9 +60,10 @@ def test_scrape_targets_are_the_topology(tmp_path, inv):
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     assert jobs["vllm"]["metrics_path"] == "/metrics"
 
-    router_port = hv[groups["router_hosts"][0]]["pd_router_metrics_port"]
     assert sorted(t for t, _ in _static(cfg, "pd-router")) == sorted(
-        f"{hv[h]['ansible_host']}:{router_port}" for h in groups["router_hosts"])
+        f"{hv[h]['ansible_host']}:{u['metrics_port']}" for h in groups["router_hosts"] for u in hv[h]["pd_router_units"])
+    assert sorted(t for t, _ in _static(cfg, "pd-frontdoor")) == sorted(
+        f"{hv[h]['ansible_host']}:3903" for h in groups["router_hosts"])
 
     node = dict(_static(cfg, "node"))
     node_hosts = list(dict.fromkeys(groups["vllm_hosts"] + groups["router_hosts"]))
@@ -80,10 +81,17 @@ def test_scrape_targets_are_the_topology(tmp_path, inv):
     assert cfg["rule_files"] == [str(tmp_path / "pd-*.yml")]
 
 
-def test_pd_router_metrics_port_is_read_from_the_inventory(tmp_path):
-    cfg = yaml.safe_load(render_role("local", tmp_path, overrides={"observability_router_metrics_port": 29123})[
-        "prometheus.yml"].read_text())
-    assert [t for t, _ in _static(cfg, "pd-router")] == ["10.237.0.13:29123"]
+def test_every_router_unit_and_the_front_door_are_scraped(tmp_path):
+    units = [{"name": "vllm-router", "mode": "pd", "port": 8001, "metrics_port": 29123},
+             {"name": "vllm-router-colocated", "mode": "colocated", "port": 8009, "metrics_port": 29124}]
+    cfg = yaml.safe_load(render_role("local", tmp_path, overrides={
+        "observability_router_units": units, "observability_frontdoor_metrics_port": 3999})["prometheus.yml"].read_text())
+    data = load_inventory_full("local")
+    if "pd_router_units" in data["hostvars"]["pd-router-0"]:  # the inventory's own units win over the default
+        units = data["hostvars"]["pd-router-0"]["pd_router_units"]
+    assert [t for t, _ in _static(cfg, "pd-router")] == [f"10.237.0.13:{u['metrics_port']}" for u in units]
+    assert [lab["router_mode"] for _, lab in _static(cfg, "pd-router")] == [u["mode"] for u in units]
+    assert [t for t, _ in _static(cfg, "pd-frontdoor")] == ["10.237.0.13:3999"]
 
 
 def test_prometheus_url_points_at_the_monitoring_host():

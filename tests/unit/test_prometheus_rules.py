@@ -418,6 +418,32 @@ def build_tests(ctx: dict) -> list[dict]:
         ],
     })
 
+    # The front door: its metrics endpoint down vs up; requests served colocated (backup path) vs only P/D.
+    door = {"job": "pd-frontdoor", "instance": "10.237.0.13:3903", "host": "pd-router-0"}
+    door_ok = {"job": "pd-frontdoor", "instance": "10.237.0.14:3903", "host": "pd-router-1"}
+    served = {"job": "pd-frontdoor", "instance": "10.237.0.13:3903", "host": "pd-router-0", "status": "200",
+              "backend": "pd-router-0/vllm-router-colocated"}
+    served_pd = {"job": "pd-frontdoor", "instance": "10.237.0.14:3903", "host": "pd-router-1", "status": "200",
+                 "backend": "pd-router-1/vllm-router"}
+    tests.append({
+        "name": "Front door down vs up; serving colocated vs P/D",
+        "interval": "1m",
+        "input_series": [
+            s("up", door, "1 1 0x20"),
+            s("up", door_ok, "1x22"),
+            # 0 colocated requests for 5 minutes, then 60 a minute (the decode died); the other host only P/D.
+            s("pd_frontdoor_requests_total", {**served, "path": "colocated"}, "0x5 60+60x16"),
+            s("pd_frontdoor_requests_total", {**served_pd, "path": "pd"}, "0+60x22"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "3m", "alertname": "PdFrontdoorDown", "exp_alerts": []},
+            {"eval_time": "6m", "alertname": "PdFrontdoorDown", "exp_alerts": [{"exp_labels": {**crit, **door}}]},
+            {"eval_time": "5m", "alertname": "PdServingColocated", "exp_alerts": []},
+            {"eval_time": "9m", "alertname": "PdServingColocated",
+             "exp_alerts": [{"exp_labels": {**warn, "host": "pd-router-0"}}]},
+        ],
+    })
+
     # RSS growth (the recipe's leak): 10 h at 1-minute samples.
     n = 600
     gib = 1024**3

@@ -8,8 +8,12 @@ adds a worker, or changes the type of a registered URL in place; ``DELETE /worke
 requests go to the P/D router while any prefill/decode worker of that model is registered, and to the regular
 (colocated) router otherwise. docs/upgrades.md has the measurements.
 
-  pd-router-workers [--router URL] list
-  pd-router-workers [--router URL] set --workers FILE|- [--wait S] [--dry-run]
+  pd-router-workers [--router URL ...] list
+  pd-router-workers [--router URL ...] set --workers FILE|- [--wait S] [--dry-run]
+
+``--router`` may be given once per P/D router (a front door sends requests to all of them): ``set`` changes each
+router in turn, ``list`` reads each; the report then has one entry per router under ``routers`` and the combined
+``changed`` / ``ops`` / ``window_ms`` (the longest window of any router).
 
 ``set`` makes the registry equal the wanted list (JSON: [{"url", "worker_type", "model_id"}, ...]): it orders the
 changes so that the fewest intermediate states leave a model without a routable set (a P/D set with a prefill
@@ -277,9 +281,38 @@ def cmd_list(args, router):
     return 0
 
 
+def cmd_many(args, urls):
+    """Run the command on every router; one combined JSON report."""
+    import contextlib
+    import io
+
+    reports = {}
+    for url in urls:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = {"list": cmd_list, "set": cmd_set}[args.cmd](args, Router(url, args.timeout))
+        if rc != 0:
+            return rc
+        reports[url] = json.loads(buf.getvalue())
+    first = reports[urls[0]]
+    out = {"routers": reports}
+    if args.cmd == "set":
+        out.update({"changed": any(r["changed"] for r in reports.values()),
+                    "ops": [op for r in reports.values() for op in r["ops"]],
+                    "window_ms": max(r["window_ms"] for r in reports.values()),
+                    "broken_states": max(r["broken_states"] for r in reports.values()),
+                    "before": first["before"], "after": first["after"],
+                    "unroutable_models_after": first["unroutable_models_after"], "dry_run": args.dry_run})
+    else:
+        out.update({"workers": first["workers"], "routable": first["routable"]})
+    print(json.dumps(out, sort_keys=True))
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="pd-router-workers", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--router", default="http://127.0.0.1:8000", help="router base URL")
+    ap.add_argument("--router", action="append", help="router base URL (repeat for several routers; "
+                    "default http://127.0.0.1:8000)")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_list = sub.add_parser("list", help="print the registry (JSON)")
@@ -290,9 +323,11 @@ def main(argv=None):
     p_set.add_argument("--wait", type=float, default=0.0, help="wait up to S seconds for /liveness first")
     p_set.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     args = ap.parse_args(argv)
+    urls = args.router or ["http://127.0.0.1:8000"]
     try:
-        router = Router(args.router, args.timeout)
-        return {"list": cmd_list, "set": cmd_set}[args.cmd](args, router)
+        if len(urls) == 1:
+            return {"list": cmd_list, "set": cmd_set}[args.cmd](args, Router(urls[0], args.timeout))
+        return cmd_many(args, urls)
     except NotIgwError as e:
         print(f"pd-router-workers: {e}", file=sys.stderr)
         return 3

@@ -8,6 +8,11 @@ holds the role's knobs (see defaults/main.yml); ``extra_args`` uses the bundle's
 (true = bare flag, false/None = omitted, dict/list = compact JSON, anything else ``--flag value``).
 With ``settings["igw"]`` true it adds ``--enable-igw`` (dynamic worker registry; see docs/upgrades.md).
 
+``pd_router_units(units, workers, settings)`` -> the router units of one router host (``pd_router_units``, inventory
+data): each ``{"name", "mode", "port", "metrics_port", "argv"}``, checked (names, modes, ports unique and distinct
+from the client port). ``mode: pd`` is a P/D router over the whole topology; ``mode: colocated`` a regular router
+over the prefill pool: the front door's backup path when no P/D router can serve (e.g. the decode is down).
+
 ``pd_router_registry(workers, model_id)`` -> the worker list ``files/pd_router_workers.py set`` registers in IGW
 mode: ``[{"url", "worker_type", "model_id", "name"}]``, prefill then decode, in inventory order.
 
@@ -28,6 +33,7 @@ _OWNED_FLAGS = {
     "health-check-endpoint", "retry-max-retries", "retry-initial-backoff-ms", "retry-max-backoff-ms",
     "request-timeout-secs", "queue-timeout-secs", "worker-startup-timeout-secs",
     "worker-startup-check-interval", "log-level", "worker-urls", "enable-igw",
+    # The workers' API key: files/pd_router_launch.py reads it from a systemd credential, never from argv.
 }
 
 
@@ -117,7 +123,7 @@ def pd_router_argv(workers, settings):
     argv += ["--host", str(s["host"]), "--port", str(s["port"])]
     argv += ["--prometheus-host", str(s["metrics_host"]), "--prometheus-port", str(s["metrics_port"])]
     if s["port"] == s["metrics_port"]:
-        _fail(f"pd_router: pd_router_port and pd_router_metrics_port are both {s['port']}; give them different ports")
+        _fail(f"pd_router: port and metrics_port are both {s['port']}; give them different ports")
     for key, flag in (("policy", "policy"), ("prefill_policy", "prefill-policy"), ("decode_policy", "decode-policy")):
         if s.get(key):
             argv += [f"--{flag}", str(s[key])]
@@ -151,10 +157,79 @@ def pd_router_argv(workers, settings):
             _fail(f"pd_router: pd_router_extra_args sets '--{flag}', which the role renders from its own "
                   f"variable; remove it from pd_router_extra_args and set the pd_router_ variable instead")
         argv += _flag_args(flag, value)
-    if s.get("api_key_env"):
-        # systemd expands ${VAR} from EnvironmentFile=; the key never lands in the unit file.
-        argv += ["--api-key", "${" + str(s["api_key_env"]) + "}"]
     return argv
+
+
+_UNIT_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")
+UNIT_MODES = ("pd", "colocated")
+
+
+def _port(value, field):
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        _fail(f"pd_router: {field} is {value!r}; set an integer port 1-65535")
+    return value
+
+
+def pd_router_colocated_argv(workers, settings):
+    """vllm-router arguments for regular mode over the prefill pool (the backup path while P/D cannot serve).
+
+    Regular mode, unlike the vLLM P/D path, applies --retry-* and the circuit breaker: a request whose prefill
+    instance died is retried on another one.
+    """
+    s = dict(settings or {})
+    argv = ["--worker-urls", *[w["url"] for w in workers["prefill"]]]
+    argv += ["--host", str(s["host"]), "--port", str(s["port"])]
+    argv += ["--prometheus-host", str(s["metrics_host"]), "--prometheus-port", str(s["metrics_port"])]
+    policy = s.get("prefill_policy") or s.get("policy")
+    if policy:
+        argv += ["--policy", str(policy)]
+    pd_argv = pd_router_argv(workers, {**s, "igw": False, "policy": None, "prefill_policy": None,
+                                       "decode_policy": None})
+    # The shared knobs (health checks, retries, timeouts, log level, extra args) as the P/D router renders them.
+    start = pd_argv.index("--prometheus-port") + 2
+    argv += pd_argv[start:]
+    return argv
+
+
+def pd_router_units(units, workers, settings):
+    """The router units of one host, each with its argv (see the module docstring)."""
+    if not isinstance(units, list) or not units:
+        _fail("pd_router: pd_router_units is empty or not a list; list the router units of a router host, e.g. "
+              "[{name: vllm-router, mode: pd, port: 8001, metrics_port: 29000}, "
+              "{name: vllm-router-colocated, mode: colocated, port: 8002, metrics_port: 29001}]")
+    client_port = settings.get("client_port")
+    out, names, ports = [], {}, {}
+    for idx, unit in enumerate(units):
+        if not isinstance(unit, dict):
+            _fail(f"pd_router: pd_router_units[{idx}] is {unit!r}; give a mapping with name, mode, port, metrics_port")
+        name = unit.get("name")
+        where = f"pd_router_units[{idx}] ({name or 'no name'})"
+        if not isinstance(name, str) or not name.startswith("vllm-router") or not set(name) <= _UNIT_NAME_CHARS:
+            _fail(f"pd_router: {where}: field 'name' is {name!r}; use a systemd unit name starting with "
+                  "'vllm-router' made of a-z, 0-9 and '-' (e.g. vllm-router-2)")
+        mode = unit.get("mode")
+        if mode not in UNIT_MODES:
+            _fail(f"pd_router: {where}: field 'mode' is {mode!r}; set 'pd' (P/D router) or 'colocated' "
+                  "(regular router over the prefill pool, the backup path)")
+        port = _port(unit.get("port"), f"{where}: field 'port'")
+        metrics_port = _port(unit.get("metrics_port"), f"{where}: field 'metrics_port'")
+        if name in names:
+            _fail(f"pd_router: {where}: name '{name}' is also pd_router_units[{names[name]}]; names must be unique")
+        for p, field in ((port, "port"), (metrics_port, "metrics_port")):
+            if p in ports:
+                _fail(f"pd_router: {where}: {field} {p} is also used by {ports[p]}; give every unit its own ports")
+            if p == client_port:
+                _fail(f"pd_router: {where}: {field} {p} is the client port (pd_router_port), where the front door "
+                      "listens; give the unit another port")
+            ports[p] = f"{name} {field}"
+        names[name] = idx
+        unit_settings = {**settings, "port": port, "metrics_port": metrics_port}
+        argv = (pd_router_argv(workers, unit_settings) if mode == "pd"
+                else pd_router_colocated_argv(workers, unit_settings))
+        out.append({"name": name, "mode": mode, "port": port, "metrics_port": metrics_port, "argv": argv})
+    if not any(u["mode"] == "pd" for u in out):
+        _fail("pd_router: pd_router_units has no unit with mode: pd; a router host needs at least one P/D router")
+    return out
 
 
 def pd_router_registry(workers, model_id):
@@ -185,6 +260,7 @@ class FilterModule:
         return {
             "pd_router_workers": pd_router_workers,
             "pd_router_argv": pd_router_argv,
+            "pd_router_units": pd_router_units,
             "pd_router_registry": pd_router_registry,
             "pd_router_quote": pd_router_quote,
         }

@@ -1,0 +1,298 @@
+"""roles/pd_frontdoor: the nginx front door, rendered from the role's template and run by the real nginx.
+
+- the filters: which routers sit behind a front door (loopback vs. reachable routers, P/D first), and the client
+  keys' checks (nothing can be injected into nginx's config through a key);
+- the rendered config under the distribution's nginx (`nginx -t`, then a real nginx on a free port) in front of
+  small HTTP servers standing in for the routers: no key / a wrong key -> 401, the routers' admin paths -> 404,
+  a request whose P/D routers fail (HTTP 500, connection refused) is served by the colocated router with the
+  client's key stripped, a streaming response that broke after its first byte is not retried, and the access log
+  it writes turned into metrics by the real mtail program of the role.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import jinja2
+import pytest
+import yaml
+from ansible.errors import AnsibleError
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = ROOT / "roles" / "pd_frontdoor"
+ERR = (ValueError, AnsibleError)  # the filters raise AnsibleFilterError under Ansible
+KEY = "k" * 8 + "0123456789abcdef0123456789abcdef"
+
+_spec = importlib.util.spec_from_file_location("pd_frontdoor_filters", ROLE / "filter_plugins" / "pd_frontdoor.py")
+pdf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pdf)
+
+
+def _units(*ports_modes):
+    return [{"name": f"vllm-router-{i}", "mode": m, "port": p, "metrics_port": 29000 + i}
+            for i, (p, m) in enumerate(ports_modes)]
+
+
+def test_backends_loopback_routers_are_only_this_hosts():
+    groups = {"router_hosts": ["r1", "r2"]}
+    hostvars = {"r1": {"ansible_host": "10.0.0.1", "pd_router_units": _units((8001, "pd"), (8009, "colocated"))},
+                "r2": {"ansible_host": "10.0.0.2", "pd_router_units": _units((8001, "pd"), (8009, "colocated"))}}
+    local = pdf.pd_frontdoor_backends(groups, hostvars, "r1", "127.0.0.1")
+    assert [b["address"] for b in local] == ["127.0.0.1:8001", "127.0.0.1:8009"]
+    both = pdf.pd_frontdoor_backends(groups, hostvars, "r2", "0.0.0.0")  # noqa: S104 - compared, not bound
+    # P/D routers of both hosts first (own host on loopback), then the colocated ones.
+    assert [(b["address"], b["mode"]) for b in both] == [
+        ("10.0.0.1:8001", "pd"), ("127.0.0.1:8001", "pd"), ("10.0.0.1:8009", "colocated"),
+        ("127.0.0.1:8009", "colocated")]
+    assert both[0]["name"] == "r1/vllm-router-0"
+
+
+def test_backends_need_a_pd_router_and_units():
+    groups = {"router_hosts": ["r1"]}
+    with pytest.raises(ERR, match="no P/D router"):
+        pdf.pd_frontdoor_backends(groups, {"r1": {"pd_router_units": _units((8009, "colocated"))}}, "r1")
+    with pytest.raises(ERR, match="pd_router_units is missing"):
+        pdf.pd_frontdoor_backends(groups, {"r1": {}}, "r1")
+    with pytest.raises(ERR, match="not in group 'router_hosts'"):
+        pdf.pd_frontdoor_backends(groups, {"r1": {}}, "elsewhere")
+
+
+@pytest.mark.parametrize("keys, match", [
+    ([], "empty"), ("single-string-key-0123456789", "not a list"), (["short"], r"pd_frontdoor_api_keys\[0\]"),
+    (['x' * 30 + '" 1; default 1; "'], r"\[0\] is not"), (["a" * 30 + " b"], r"\[0\] is not"),
+    ([KEY, KEY], "repeats"),
+])
+def test_bad_keys_are_refused_without_showing_them(keys, match):
+    with pytest.raises(ERR, match=match) as err:
+        pdf.pd_frontdoor_keys(keys)
+    for k in keys if isinstance(keys, list) else []:
+        assert len(k) < 24 or k not in str(err.value)
+
+
+# --- the rendered config under the real nginx ---------------------------------------------------------------------
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+MTAIL = shutil.which("mtail") or "/usr/bin/mtail"
+needs_nginx = pytest.mark.skipif(not Path(NGINX).exists() or not Path(MTAIL).exists(),
+                                 reason="nginx and mtail come from scripts/bootstrap.d/20-apt (run scripts/bootstrap)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Upstream:
+    """A stand-in router: answers every request with a fixed behaviour and records what it received."""
+
+    def __init__(self, name: str, behaviour: str):
+        self.name, self.behaviour, self.seen = name, behaviour, []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _any(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else b""
+                outer.seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+                if outer.behaviour == "500":
+                    data = b'{"error": "prefill worker failed"}'
+                    self.send_response(500)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                elif outer.behaviour == "stream-then-die":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    self.wfile.write(b'data: {"choices": [{"text": "first"}]}\n\n')
+                    self.wfile.flush()
+                    self.close_connection = True
+                else:
+                    data = json.dumps({"served_by": outer.name, "choices": [{"text": "ok"}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+
+            do_GET = do_POST = do_DELETE = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _render(tmp: Path, port: int, backends: list[dict]) -> None:
+    defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROLE / "templates")), keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined)
+    env.filters["bool"] = lambda v: str(v).lower() in ("1", "true", "yes")
+    ctx = {**{k: v for k, v in defaults.items() if not isinstance(v, str) or "{{" not in v},
+           "ansible_managed": "test", "pd_frontdoor_port": port, "pd_frontdoor_bind_host": "127.0.0.1",
+           "pd_frontdoor_listen_ipv6": False, "pd_frontdoor_request_timeout_s": 30,
+           "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
+           "_pd_frontdoor_backends": backends, "_pd_frontdoor_api_keys": [KEY]}
+    (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
+    (tmp / "api-keys.map").write_text(env.get_template("api-keys.map.j2").render(**ctx))
+    for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (tmp / d).mkdir()
+    (tmp / "nginx.conf").write_text(f"""
+daemon on;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log;
+events {{ worker_connections 64; }}
+http {{
+    client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+    include {tmp}/pd-frontdoor.conf;
+}}
+""")
+
+
+@pytest.fixture
+def frontdoor(tmp_path):
+    """A real nginx with the role's config in front of: P/D router A (HTTP 500), P/D router B (connection refused),
+    the colocated router (200)."""
+    ups = {"pd_a": _Upstream("pd_a", "500"), "colocated": _Upstream("colocated", "200")}
+    refused = _free_port()
+    backends = [{"name": "r/vllm-router", "address": f"127.0.0.1:{ups['pd_a'].port}", "mode": "pd"},
+                {"name": "r/vllm-router-2", "address": f"127.0.0.1:{refused}", "mode": "pd"},
+                {"name": "r/vllm-router-colocated", "address": f"127.0.0.1:{ups['colocated'].port}",
+                 "mode": "colocated"}]
+    port = _free_port()
+    _render(tmp_path, port, backends)
+    check = subprocess.run([NGINX, "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                           capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stderr
+    subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], check=True)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield {"url": f"http://127.0.0.1:{port}", "ups": ups, "dir": tmp_path}
+    finally:
+        subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-s", "stop"], check=False)
+        for u in ups.values():
+            u.close()
+
+
+def _req(url, method="POST", key=None, body=b'{"prompt": "hi"}', headers=None):
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=body if method == "POST" else None, headers=h, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@needs_nginx
+def test_clients_need_the_key_and_admin_paths_are_closed(frontdoor):
+    url = frontdoor["url"]
+    assert _req(url + "/v1/completions")[0] == 401
+    assert _req(url + "/v1/completions", key="x" * 40)[0] == 401
+    assert _req(url + "/v1/completions", headers={"Authorization": KEY})[0] == 401
+    for method, path in (("GET", "/workers"), ("POST", "/workers"), ("POST", "/remove_worker?url=http://x:1"),
+                         ("POST", "/add_worker?url=http://x:1"), ("GET", "/list_workers"), ("POST", "/flush_cache"),
+                         ("DELETE", "/workers/x"), ("GET", "/metrics"), ("GET", "/scheduling/diagnostics"),
+                         ("POST", "/finish_session"), ("GET", "/get_loads"), ("GET", "/health/x")):
+        assert _req(url + path, method=method, key=KEY)[0] == 404, (method, path)
+    # Nothing of the above reached a router.
+    assert all(not u.seen for u in frontdoor["ups"].values())
+
+
+@needs_nginx
+def test_failed_pd_routers_are_retried_on_the_colocated_router_without_the_key(frontdoor):
+    status, body = _req(frontdoor["url"] + "/v1/completions", key=KEY)
+    assert status == 200 and json.loads(body)["served_by"] == "colocated"
+    assert len(frontdoor["ups"]["pd_a"].seen) == 1  # tried once, answered 500
+    seen = frontdoor["ups"]["colocated"].seen
+    assert len(seen) == 1 and seen[0]["body"] == b'{"prompt": "hi"}'  # the whole body, resent
+    assert all(s["auth"] is None for u in frontdoor["ups"].values() for s in u.seen)  # the key stops at the door
+    # While the P/D routers rest (fail_timeout), the next request goes straight to the colocated router.
+    status, body = _req(frontdoor["url"] + "/v1/completions", key=KEY)
+    assert status == 200 and len(frontdoor["ups"]["pd_a"].seen) == 1
+
+
+@needs_nginx
+def test_access_log_becomes_metrics_through_the_roles_mtail_program(frontdoor, tmp_path_factory):
+    _req(frontdoor["url"] + "/v1/completions", key=KEY)
+    _req(frontdoor["url"] + "/v1/completions")
+    log = frontdoor["dir"] / "access.log"
+    for _ in range(50):
+        if log.exists() and len(log.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.1)
+    progs = tmp_path_factory.mktemp("mtail")
+    shutil.copy(ROLE / "files" / "pd_frontdoor.mtail", progs)
+    out = subprocess.run([MTAIL, "-progs", str(progs), "-logs", str(log), "-one_shot", "-one_shot_format",
+                          "prometheus", "-logtostderr"], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert KEY not in log.read_text()
+    assert ('pd_frontdoor_requests_total{backend="r/vllm-router-colocated",path="colocated",'
+            'prog="pd_frontdoor.mtail",status="200"} 1') in out, out
+    assert 'pd_frontdoor_requests_total{backend="none",path="none",prog="pd_frontdoor.mtail",status="401"} 1' in out
+    assert ('pd_frontdoor_retried_requests_total{first_backend="r/vllm-router",first_status="500",'
+            'prog="pd_frontdoor.mtail"} 1') in out, out
+
+
+@needs_nginx
+def test_a_stream_that_broke_after_its_first_byte_is_not_retried(tmp_path):
+    ups = {"pd": _Upstream("pd", "stream-then-die"), "colocated": _Upstream("colocated", "200")}
+    backends = [{"name": "r/vllm-router", "address": f"127.0.0.1:{ups['pd'].port}", "mode": "pd"},
+                {"name": "r/vllm-router-colocated", "address": f"127.0.0.1:{ups['colocated'].port}",
+                 "mode": "colocated"}]
+    port = _free_port()
+    _render(tmp_path, port, backends)
+    subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], check=True)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b'{"stream": true}',
+                                     headers={"Authorization": f"Bearer {KEY}"}, method="POST")
+        with urllib.request.urlopen(req, timeout=20) as r:
+            assert r.status == 200
+            first = r.fp.readline()
+            assert first.startswith(b"data: ")
+            with pytest.raises((urllib.error.URLError, ConnectionError, http_incomplete())):
+                r.read()
+        assert len(ups["pd"].seen) == 1 and not ups["colocated"].seen
+    finally:
+        subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-s", "stop"], check=False)
+        for u in ups.values():
+            u.close()
+
+
+def http_incomplete():
+    import http.client
+
+    return http.client.IncompleteRead
