@@ -520,6 +520,94 @@ def shutdown_timeout(flags):
         raise RecipeError(f"field shutdown-timeout: must be a number of seconds, got {value!r}") from None
 
 
+# The vLLM unit's sandbox (docs/security.md). Scored by `systemd-analyze security` at <= 2.5 (tests/unit/
+# test_unit_sandbox.py). Left out on purpose: MemoryDenyWriteExecute (torch.compile, Triton and CUDA JIT write code),
+# PrivateDevices (hides the GPUs and HCAs), PrivateUsers (device nodes and /dev/shm peers are owned by real ids),
+# ProcSubset=pid (NVML and vLLM read /proc/driver/nvidia, /proc/cpuinfo, /proc/meminfo), PrivateIPC (UCX's sysv/cma
+# transports reach the other instances of the host, which run in other units).
+UNIT_SANDBOX = (
+    "NoNewPrivileges=yes",
+    "CapabilityBoundingSet=",
+    "AmbientCapabilities=",
+    "ProtectSystem=strict",
+    "ProtectHome=yes",
+    "PrivateTmp=yes",
+    "PrivateMounts=yes",
+    "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes",
+    "ProtectClock=yes",
+    "ProtectHostname=yes",
+    "LockPersonality=yes",
+    "RestrictRealtime=yes",
+    "RestrictSUIDSGID=yes",
+    "RestrictNamespaces=yes",
+    # NETLINK: libibverbs and NVML ask the kernel for RDMA links and interfaces over netlink.
+    "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+    "SystemCallArchitectures=native",
+    # A deny list, not @system-service: an allow list also refuses every system call newer than the host's systemd
+    # knows, and CUDA/NCCL/UCX pick up new ones. Denied: what needs a capability the unit no longer has, plus
+    # ptrace/perf (@debug: one instance must not read another's memory), minus pidfd_getfd, with which FlashInfer's
+    # NVLink all-to-all imports the CUDA memory handles of its peer ranks.
+    "SystemCallFilter=~@clock @cpu-emulation @debug @module @mount @obsolete @raw-io @reboot @swap",
+    "SystemCallFilter=pidfd_getfd",
+    # EPERM instead of SIGSYS: a library probing a denied call gets an error it can handle, not a dead engine.
+    "SystemCallErrorNumber=EPERM",
+    "UMask=0027",
+    "DevicePolicy=closed",
+)
+# Device groups as /proc/devices names them (DeviceAllow=char-<name> allows that major, all minors). GPUs: major 195
+# is "nvidia" + "nvidiactl" with the open kernel modules (Blackwell) and "nvidia-frontend" with the older proprietary
+# ones: /dev/nvidia[0-9]*, /dev/nvidiactl, /dev/nvidia-modeset. "nvidia-uvm": /dev/nvidia-uvm and -uvm-tools.
+# "nvidia-caps": /dev/nvidia-caps/* (MIG). "nvidia-caps-imex-channels": NVLink fabric memory handles.
+# RDMA: "infiniband_verbs" (/dev/infiniband/uverbs*, UCX rc); rdma_cm is a misc device (major 10), so by path. A group
+# the host does not have (the CPU build's hosts) is skipped by systemd; DevicePolicy=closed keeps /dev/null, zero,
+# full, random, urandom, tty, ptmx. Not allowed: nvidia-nvswitch / nvidia-nvlink (fabric manager's), gdrdrv, knem,
+# xpmem (not in the recipe's UCX_TLS).
+UNIT_DEVICE_ALLOW = (
+    "char-nvidia rw",
+    "char-nvidiactl rw",
+    "char-nvidia-frontend rw",
+    "char-nvidia-uvm rw",
+    "char-nvidia-caps rw",
+    "char-nvidia-caps-imex-channels rw",
+    "char-infiniband_verbs rw",
+    "/dev/infiniband/rdma_cm rw",
+)
+# Environment variables naming directories vLLM, torch, Triton, FlashInfer, CUDA or Hugging Face write to. build_env
+# puts them under the instance's state dir; one that the recipe points elsewhere is made writable in the unit
+# (ProtectSystem=strict), so the env stays the one place that says where caches live.
+UNIT_WRITABLE_ENV = (
+    "HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TRITON_CACHE_DIR",
+    "TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "CUDA_CACHE_PATH", "TMPDIR",
+)
+
+
+def unit_writable_paths(recipe, instance, state_root=DEFAULT_STATE_ROOT):
+    """ReadWritePaths of the unit: the state root, /dev/shm, and cache dirs the env moves out of the state root."""
+    root = state_root.rstrip("/") or "/"
+    paths = [root, "/dev/shm"]
+    model_dir = posixpath.dirname(str(recipe.get("pd_model_path") or "").rstrip("/"))
+    for field, env in (("pd_vllm_env", recipe.get("pd_vllm_env")), ("pd_ucx_env", recipe.get("pd_ucx_env")),
+                       ("extra_env", instance.get("extra_env"))):
+        for key in UNIT_WRITABLE_ENV:
+            value = (env or {}).get(key)
+            if not isinstance(value, str) or not value.startswith("/"):
+                continue  # relative: under WorkingDirectory, the state dir
+            path = posixpath.normpath(value)
+            if path == root or path.startswith(root + "/") or path in paths:
+                continue
+            if path == "/" or (model_dir and (model_dir.startswith(path.rstrip("/") + "/") or model_dir == path
+                                              or path.startswith(model_dir + "/"))):
+                raise RecipeError(
+                    f"{_where(instance)}, field {field}.{key}: {value!r} would make the model directory "
+                    f"{model_dir} writable for vLLM; point it outside {model_dir}, e.g. under {root}")
+            # "-": a missing dir does not stop the unit from starting; vLLM then names the path it cannot create.
+            paths.append(f"-{path}")
+    return paths
+
+
 def render_unit(
     recipe,
     instance,
@@ -586,11 +674,9 @@ def render_unit(
         "KillMode=mixed",
         "LimitMEMLOCK=infinity",
         "LimitNOFILE=1048576",
-        "NoNewPrivileges=yes",
-        "ProtectSystem=full",
-        f"ReadWritePaths={state_root.rstrip('/')} /dev/shm",
-        "ProtectHome=yes",
-        "PrivateTmp=yes",
+        *UNIT_SANDBOX,
+        *(f"DeviceAllow={d}" for d in UNIT_DEVICE_ALLOW),
+        f"ReadWritePaths={' '.join(unit_writable_paths(recipe, instance, state_root))}",
         f"SyslogIdentifier=vllm-{name}",
         "",
         "[Install]",

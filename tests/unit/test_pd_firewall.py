@@ -1,7 +1,8 @@
-"""pd_firewall: the ruleset is derived from the topology and is valid nftables."""
+"""pd_firewall: the ruleset is derived from the topology and is valid nftables (behaviour: test_pd_firewall_netns)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -58,19 +59,75 @@ def test_ports_and_peers_come_from_the_topology(tmp_path, inventory):
             expected.update(str(inst["nixl_side_channel_port"] + r) for r in range(inst["dp_size"]))
             if "dp_rpc_port" in inst:
                 expected.add(str(inst["dp_rpc_port"]))
-        assert expected <= elements(ruleset, "protected_tcp"), host
+        assert expected <= elements(ruleset, "peer_tcp"), host
 
 
 def test_b300_decode_side_channel_range_covers_every_dp_rank(tmp_path):
-    ports = elements(render(tmp_path, "inventory/b300")["b300-03"], "protected_tcp")
+    ports = elements(render(tmp_path, "inventory/b300")["b300-03"], "peer_tcp")
     assert {str(p) for p in range(5700, 5708)} <= ports
     assert "5708" not in ports
 
 
 def test_router_clients_get_their_own_rule(tmp_path):
-    rules = render(tmp_path, "inventory/b300", "-e", '{"pd_firewall_router_clients": ["198.51.100.0/24"]}')
-    assert "198.51.100.0/24" in elements(rules["b300-03"], "router_clients_v4")
-    assert "router_clients_v4" not in rules["b300-01"]
+    rules = render(tmp_path, "inventory/b300", "-e",
+                   '{"pd_firewall_router_clients": ["198.51.100.0/24", "2001:db8:5::/48"]}')
+    assert "ip saddr { 198.51.100.0/24 } tcp dport 8000 accept" in rules["b300-03"]
+    assert "ip6 saddr { 2001:db8:5::/48 } tcp dport 8000 accept" in rules["b300-03"]
+    assert "198.51.100.0/24" not in rules["b300-01"]
+
+
+def test_input_is_default_deny_with_ssh_and_neighbour_discovery(tmp_path):
+    ruleset = render(tmp_path, "inventory/b300")["b300-01"]
+    assert "policy drop;" in ruleset
+    assert 'counter drop comment "not allowed by pd_firewall (default deny)"' in ruleset
+    assert "tcp dport { 22 } accept" in ruleset
+    for icmpv6 in ("nd-neighbor-solicit", "nd-neighbor-advert", "nd-router-advert", "packet-too-big"):
+        assert icmpv6 in ruleset
+    # b300 moves KV over RDMA (UCX_TLS=rc,...): no ephemeral TCP range for peers
+    assert "32768-60999" not in elements(ruleset, "peer_tcp")
+
+
+def test_ssh_sources_restrict_ssh(tmp_path):
+    rules = render(tmp_path, "inventory/b300", "-e",
+                   '{"pd_firewall_ssh_sources": ["203.0.113.0/24", "2001:db8:9::/48"], "ansible_port": 2222}')
+    assert "ip saddr { 203.0.113.0/24 } tcp dport { 2222 } accept" in rules["b300-01"]
+    assert "ip6 saddr { 2001:db8:9::/48 } tcp dport { 2222 } accept" in rules["b300-01"]
+    assert "tcp dport { 2222 } accept" not in rules["b300-01"].replace("} tcp dport { 2222 } accept", "")
+
+
+def test_ipv6_addresses_are_peers(tmp_path):
+    rules = render(tmp_path, "inventory/b300", "-e", '{"pd_firewall_extra_peers": ["2001:db8::/64", "203.0.113.9"]}')
+    assert elements(rules["b300-01"], "peers_v6") == {"2001:db8::/64"}
+    assert "203.0.113.9" in elements(rules["b300-01"], "peers_v4")
+
+
+@pytest.mark.parametrize(("ucx_env", "expected"), [
+    ({"UCX_TLS": "tcp,self,sm"}, {"32768-60999"}),
+    ({"UCX_TLS": "tcp", "UCX_TCP_PORT_RANGE": "20000-20999"}, {"20000-20999"}),
+    ({"UCX_TLS": "^ib"}, {"32768-60999"}),
+    ({}, {"32768-60999"}),
+    ({"UCX_TLS": "rc,cuda_copy,cuda_ipc,sm,self"}, set()),
+    ({"UCX_TLS": "^tcp,ib"}, set()),
+])
+def test_peer_port_range_follows_ucx_transports(tmp_path, ucx_env, expected):
+    ruleset = render(tmp_path, "inventory/b300", "-e", json.dumps({"pd_ucx_env": ucx_env}))["b300-01"]
+    assert {e for e in elements(ruleset, "peer_tcp") if "-" in e} == expected
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"pd_firewall_extra_peers": ["10.0.0.1; drop"]}, "not an IP/CIDR: 10.0.0.1; drop"),
+    ({"pd_firewall_ssh_sources": ["bastion.example"]}, "not an IP/CIDR: bastion.example"),
+    ({"pd_firewall_peer_port_ranges": ["40000:41000"]}, "pd_firewall_peer_port_ranges: not low-high: 40000:41000"),
+    ({"pd_firewall_client_ports": [{"sources": []}]}, "pd_firewall_client_ports entry without port"),
+])
+def test_bad_addresses_are_named_before_rendering(tmp_path, extra, named):
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"))
+    cmd = [str(ROOT / ".venv/bin/ansible-playbook"), "-i", "inventory/b300", "-l", "b300-01",
+           "tests/fixtures/playbooks/render_firewall.yml", "-e", f"render_dir={tmp_path}", "-e", json.dumps(extra)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode != 0
+    assert named in proc.stdout, proc.stdout[-3000:]
+    assert not list(tmp_path.glob("*.nft"))
 
 
 @pytest.mark.skipif(shutil.which("nft") is None and not Path("/usr/sbin/nft").exists(), reason="nft not installed")
