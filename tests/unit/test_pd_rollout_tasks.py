@@ -146,7 +146,7 @@ def inventory(tmp_path, p0, p1, d0, router_url):
     common = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
               "ansible_host": "127.0.0.1"}
     inv = {"all": {
-        "vars": {"pd_served_model_name": "m", "pd_rollout_router_host": "hp", "pd_rollout_router_url": router_url,
+        "vars": {"pd_served_model_name": "m", "pd_rollout_router_host": "hp", "pd_rollout_router_urls": [router_url],
                  "pd_rollout_router_python": sys.executable, "pd_rollout_router_tool": str(TOOL),
                  "pd_rollout_drain_settle_s": 0, "pd_rollout_drain_poll_s": 1, "pd_rollout_smoke_max_tokens": 3,
                  "out_dir": str(tmp_path)},

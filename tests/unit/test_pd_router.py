@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -121,20 +123,34 @@ def test_every_default_flag_exists_in_router_help():
     helptext = subprocess.run([str(ROUTER_VENV / "bin" / "vllm-router"), "--help"], capture_output=True, text=True,
                               timeout=60, check=True).stdout
     groups, hv = topo("b300")
-    argv = pdr.pd_router_argv(pdr.pd_router_workers(groups, hv, "vllm_hosts"), settings(api_key_env="K"))
-    flags = {a for a in argv if a.startswith("--")}
-    assert "--api-key" in flags
+    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    units = pdr.pd_router_units(load_inventory("b300")["group_vars"]["pd_router_units"], w,
+                                {**settings(), "client_port": 8000})
+    flags = {a for u in units for a in u["argv"] if a.startswith("--")}
+    assert "--worker-urls" in flags and "--vllm-pd-disaggregation" in flags  # both modes rendered
     missing = [f for f in flags if f + " " not in helptext and f + "\n" not in helptext]
     assert not missing, f"flags not in vllm-router --help: {missing}"
 
 
-def test_api_key_is_an_env_reference_never_the_secret():
+def test_api_key_is_never_in_argv_and_the_launcher_refuses_it(tmp_path):
+    """The workers' key reaches vllm-router through a systemd credential read by the launcher, never argv."""
     groups, hv = topo("local")
     workers = pdr.pd_router_workers(groups, hv, "vllm_hosts")
-    argv = pdr.pd_router_argv(workers, settings(api_key_env="VLLM_ROUTER_API_KEY"))
-    i = argv.index("--api-key")
-    assert argv[i + 1] == "${VLLM_ROUTER_API_KEY}"
-    assert "--api-key" not in pdr.pd_router_argv(pdr.pd_router_workers(groups, hv, "vllm_hosts"), settings())
+    with pytest.raises(Exception, match=r"pd_router_extra_args sets '--api-key'"):
+        pdr.pd_router_argv(workers, settings(extra_args={"api-key": "s3cret"}))
+    launcher = ROLE / "files" / "pd_router_launch.py"
+    p = subprocess.run([str(ROUTER_PY), str(launcher), "--api-key", "s3cret", "--worker-urls", "http://x:1"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 2 and "systemd credential" in p.stderr
+    # With the credential: the launcher's parsed arguments carry the key (checked without starting a router).
+    cred = tmp_path / "worker-api-key"
+    cred.write_text("s3cret\n")
+    probe = (f"import runpy, sys; import vllm_router.launch_router as lr; lr.launch_router = "
+             f"lambda a: print('KEY=' + str(a.api_key)); sys.argv = ['x', '--worker-urls', 'http://x:1']; "
+             f"runpy.run_path({str(launcher)!r}, run_name='__main__')")
+    p = subprocess.run([str(ROUTER_PY), "-c", probe], capture_output=True, text=True, timeout=60, check=False,
+                       env={**os.environ, "CREDENTIALS_DIRECTORY": str(tmp_path)})
+    assert "KEY=s3cret" in p.stdout, p.stdout + p.stderr
 
 
 def test_extra_args_follow_the_flag_convention_and_cannot_shadow_owned_flags():
@@ -180,11 +196,11 @@ def test_quote_for_systemd_round_trips_through_a_shell_split():
 
 
 def test_unit_rendered_by_ansible_from_the_role(tmp_path):
-    """Runs the role's real config tasks and unit template through ansible-playbook on localhost."""
+    """Runs the role's real config tasks and unit template through ansible-playbook on localhost, per unit."""
     inv_dir = ROOT / "inventory" / "local"
     pb = tmp_path / "render.yml"
     pb.write_text(textwrap.dedent(f"""
-        - name: Render the router unit
+        - name: Render the router units
           hosts: pd-router-0
           connection: local
           gather_facts: false
@@ -199,28 +215,46 @@ def test_unit_rendered_by_ansible_from_the_role(tmp_path):
             - name: Template
               ansible.builtin.template:
                 src: "{ROLE}/templates/vllm-router.service.j2"
-                dest: "{tmp_path}/vllm-router.service"
+                dest: "{tmp_path}/{{{{ _pd_router_unit.name }}}}.service"
                 mode: "0644"
+              loop: "{{{{ _pd_router_units }}}}"
+              loop_control:
+                loop_var: _pd_router_unit
               delegate_to: localhost
     """))
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
     p = subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv_dir), str(pb)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    unit = (tmp_path / "vllm-router.service").read_text()
-    assert "s3cret" not in unit
-    exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
-    args = shlex.split(exec_line[len("ExecStart="):])
-    assert args[0] == "/opt/vllm-router/current/bin/vllm-router"
-    assert args[args.index("--api-key") + 1] == "${VLLM_ROUTER_API_KEY}"
-    prefills = [args[i + 1] for i, a in enumerate(args) if a == "--prefill"]
-    decodes = [args[i + 1] for i, a in enumerate(args) if a == "--decode"]
-    assert prefills == ["http://10.237.0.11:8100", "http://10.237.0.11:8101"]
-    assert decodes == ["http://10.237.0.12:8200"]
-    for line in ("NoNewPrivileges=true", "ProtectSystem=strict", "ProtectHome=true", "PrivateTmp=true",
-                 "Restart=on-failure", "User=vllm-router", "EnvironmentFile=/etc/vllm-router/router.env"):
-        assert line in unit.splitlines(), line
-    # And the real router accepts exactly what the unit would run.
-    rc, ra, err = parse_with_router([a.replace("${VLLM_ROUTER_API_KEY}", "k") for a in args[1:]])
-    assert rc == 0, err
-    assert ra["api_key"] == "k"
+    units = load_inventory("local")["group_vars"]["pd_router_units"]
+    assert sorted(f.name for f in tmp_path.glob("*.service")) == sorted(f"{u['name']}.service" for u in units)
+    for u in units:
+        unit = (tmp_path / f"{u['name']}.service").read_text()
+        assert "s3cret" not in unit
+        exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+        args = shlex.split(exec_line[len("ExecStart="):])
+        assert args[:2] == ["/opt/vllm-router/current/bin/python", "/opt/vllm-router/bin/pd-router-launch"]
+        assert "--api-key" not in args
+        assert "LoadCredential=worker-api-key:/etc/vllm-router/worker-api-key" in unit.splitlines()
+        assert (args[args.index("--host") + 1], args[args.index("--port") + 1]) == ("127.0.0.1", str(u["port"]))
+        if u["mode"] == "pd":
+            prefills = [args[i + 1] for i, a in enumerate(args) if a == "--prefill"]
+            decodes = [args[i + 1] for i, a in enumerate(args) if a == "--decode"]
+            assert prefills == ["http://10.237.0.11:8100", "http://10.237.0.11:8101"]
+            assert decodes == ["http://10.237.0.12:8200"]
+        else:
+            i = args.index("--worker-urls")
+            assert args[i + 1:i + 3] == ["http://10.237.0.11:8100", "http://10.237.0.11:8101"]
+            assert "--decode" not in args and "--vllm-pd-disaggregation" not in args
+        for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
+                     "CapabilityBoundingSet=", "Restart=on-failure", "User=vllm-router"):
+            assert line in unit.splitlines(), line
+        # And the real router accepts exactly what the unit would run.
+        rc, _, err = parse_with_router(args[2:])
+        assert rc == 0, err
+        # systemd's own exposure score of the unit (issue #18): <= 2.5.
+        if shutil.which("systemd-analyze"):
+            r = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(tmp_path / f"{u['name']}.service")],
+                               capture_output=True, text=True, timeout=120, check=False)
+            score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout + r.stderr)
+            assert score and float(score.group(1)) <= 2.5, r.stdout[-2000:] + r.stderr[-500:]

@@ -257,8 +257,10 @@ def test_validate_playbook_passes_every_listener_with_its_role_default():
     listeners = play["vars"]["_pd_listeners"]
     assert "services" in play["tasks"][0]["pd_topology"]
     fields = {(entry["role"], entry["field"]) for entry in listeners}
-    assert fields >= {("pd_router", "pd_router_port"), ("pd_router", "pd_router_metrics_port"),
+    assert fields >= {("pd_router", "pd_router_port"), ("pd_frontdoor", "pd_frontdoor_metrics_port"),
                       ("observability", "observability_prometheus_port"), ("node_exporter", "node_exporter_port")}
+    # The router units' ports (a list per host, pd_router_units) are added to the services by the play itself.
+    assert "pd_router_units" in play["vars"]["_pd_services"]
     for role, field in fields:
         defaults = yaml.safe_load((ROOT / "roles" / role / "defaults" / "main.yml").read_text())
         assert isinstance(defaults.get(field), int), (role, field)
