@@ -239,11 +239,11 @@ def test_client_key_is_in_no_argv_log_or_world_readable_file(inventory):
     keyfile = "/root/.pd-test-key"
     script = f"""set -eu
 umask 077
-sed -n 's/^"Bearer \\(.*\\)" 1;$/\1/p' /etc/nginx/pd-frontdoor/api-keys.map > {keyfile}
+sed -n 's/^"Bearer \\(.*\\)" 1;$/\\1/p' /etc/nginx/pd-frontdoor/api-keys.map > {keyfile}
 test -s {keyfile}
 echo "mode $(stat -c '%a %U:%G' /etc/nginx/pd-frontdoor/api-keys.map)"
 argv=0
-for f in /proc/[0-9]*/cmdline; do tr '\0' ' ' < "$f" 2>/dev/null | grep -q -F -f {keyfile} && argv=$((argv+1)); done
+for f in /proc/[0-9]*/cmdline; do tr '\\000' ' ' < "$f" 2>/dev/null | grep -q -F -f {keyfile} && argv=$((argv+1)); done
 echo "argv $argv"
 echo "journal $(journalctl --no-pager -q 2>/dev/null | grep -c -F -f {keyfile} || true)"
 echo "logs $(grep -r -l -F -f {keyfile} /var/log 2>/dev/null | wc -l)"

@@ -61,7 +61,8 @@ def test_scrape_targets_are_the_topology(tmp_path, inv):
     assert jobs["vllm"]["metrics_path"] == "/metrics"
 
     assert sorted(t for t, _ in _static(cfg, "pd-router")) == sorted(
-        f"{hv[h]['ansible_host']}:{u['metrics_port']}" for h in groups["router_hosts"] for u in hv[h]["pd_router_units"])
+        f"{hv[h]['ansible_host']}:{u['metrics_port']}"
+        for h in groups["router_hosts"] for u in hv[h]["pd_router_units"])
     assert sorted(t for t, _ in _static(cfg, "pd-frontdoor")) == sorted(
         f"{hv[h]['ansible_host']}:3903" for h in groups["router_hosts"])
 
@@ -84,8 +85,8 @@ def test_scrape_targets_are_the_topology(tmp_path, inv):
 def test_every_router_unit_and_the_front_door_are_scraped(tmp_path):
     units = [{"name": "vllm-router", "mode": "pd", "port": 8001, "metrics_port": 29123},
              {"name": "vllm-router-colocated", "mode": "colocated", "port": 8009, "metrics_port": 29124}]
-    cfg = yaml.safe_load(render_role("local", tmp_path, overrides={
-        "observability_router_units": units, "observability_frontdoor_metrics_port": 3999})["prometheus.yml"].read_text())
+    overrides = {"observability_router_units": units, "observability_frontdoor_metrics_port": 3999}
+    cfg = yaml.safe_load(render_role("local", tmp_path, overrides=overrides)["prometheus.yml"].read_text())
     data = load_inventory_full("local")
     if "pd_router_units" in data["hostvars"]["pd-router-0"]:  # the inventory's own units win over the default
         units = data["hostvars"]["pd-router-0"]["pd_router_units"]
