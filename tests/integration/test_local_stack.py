@@ -284,8 +284,16 @@ def test_decode_kill_under_load_fails_no_request(inventory):
                         prompt_words=32, timeout=300, api_key=client_api_key())
     gen.start()
     try:
-        time.sleep(15)
-        paths0 = frontdoor_paths(router)
+        # Before the kill the stack serves P/D (so "colocated after the kill" is the fault's doing): requests
+        # completed on the P/D path, none on the backup path, for at least 15 s.
+        warm, t_warm = frontdoor_paths(router), time.monotonic()
+        while True:
+            time.sleep(5)
+            paths0 = frontdoor_paths(router)
+            assert paths0.get("colocated", 0) == warm.get("colocated", 0), ("colocated before the kill", warm, paths0)
+            if paths0.get("pd", 0) > warm.get("pd", 0) and time.monotonic() - t_warm >= 15:
+                break
+            assert time.monotonic() - t_warm < 180, ("no P/D completion in 180 s before the kill", warm, paths0)
         pid = host_cmd(decode["host"], f"systemctl show -p MainPID --value {unit}").strip()
         assert pid not in ("", "0"), f"{unit} has no main process"
         host_cmd(decode["host"], f"kill -9 {pid}")
