@@ -143,7 +143,7 @@ class _Upstream:
         self.server.server_close()
 
 
-def _render(tmp: Path, port: int, backends: list[dict]) -> None:
+def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
     # nginx config, not HTML: nothing to escape (Ansible renders it the same way).
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROLE / "templates")), keep_trailing_newline=True,  # noqa: S701
@@ -153,7 +153,7 @@ def _render(tmp: Path, port: int, backends: list[dict]) -> None:
            "ansible_managed": "test", "pd_frontdoor_port": port, "pd_frontdoor_bind_host": "127.0.0.1",
            "pd_frontdoor_listen_ipv6": False, "pd_frontdoor_request_timeout_s": 30,
            "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
-           "_pd_frontdoor_backends": backends, "_pd_frontdoor_api_keys": [KEY]}
+           "_pd_frontdoor_backends": backends, "_pd_frontdoor_api_keys": [KEY], **extra}
     (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
     (tmp / "api-keys.map").write_text(env.get_template("api-keys.map.j2").render(**ctx))
     for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
@@ -297,3 +297,39 @@ def http_incomplete():
     import http.client
 
     return http.client.IncompleteRead
+
+
+@needs_nginx
+def test_tls_when_a_certificate_is_given(tmp_path):
+    """pd_frontdoor_tls_certificate/_key: HTTPS on the client port, the same key check behind it."""
+    cert, key = tmp_path / "fd.crt", tmp_path / "fd.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    up = _Upstream("pd", "200")
+    port = _free_port()
+    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
+            pd_frontdoor_tls_certificate=str(cert), pd_frontdoor_tls_certificate_key=str(key))
+    assert f"listen 127.0.0.1:{port} ssl;" in (tmp_path / "pd-frontdoor.conf").read_text()
+    subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], check=True)
+    try:
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=str(cert))
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        url = f"https://127.0.0.1:{port}/v1/completions"
+        req = urllib.request.Request(url, data=b"{}", headers={"Authorization": f"Bearer {KEY}"}, method="POST")
+        with urllib.request.urlopen(req, timeout=20, context=ctx) as r:
+            assert r.status == 200 and json.loads(r.read())["served_by"] == "pd"
+        req = urllib.request.Request(url, data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=20, context=ctx)
+        assert err.value.code == 401
+    finally:
+        subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-s", "stop"], check=False)
+        up.close()
