@@ -153,7 +153,7 @@ def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
            "ansible_managed": "test", "pd_frontdoor_port": port, "pd_frontdoor_bind_host": "127.0.0.1",
            "pd_frontdoor_listen_ipv6": False, "pd_frontdoor_request_timeout_s": 30,
            "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
-           "_pd_frontdoor_backends": backends, "_pd_frontdoor_api_keys": [KEY], **extra}
+           "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY], **extra}
     (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
     (tmp / "api-keys.map").write_text(env.get_template("api-keys.map.j2").render(**ctx))
     for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
