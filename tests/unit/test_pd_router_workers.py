@@ -291,3 +291,22 @@ def test_igw_drain_fallback_and_return_with_the_tool():
         assert {complete(base)[1] for _ in range(4)} == {"d0:decode-after-p0", "d0:decode-after-p1"}
         rc, out, _ = tool(base, "list")
         assert rc == 0 and json.loads(out)["routable"] == {"m": True}
+
+
+def test_several_routers_get_the_same_registry_from_one_stdin():
+    """The front door sends requests to every P/D router: a drain changes all of them (one --router each), the wanted
+    list read once from stdin."""
+    p0, d0 = Stub("p0"), Stub("d0")
+    pd = [(p0.url, "prefill"), (d0.url, "decode")]
+    with router("--enable-igw") as a, router("--enable-igw") as b:
+        p = subprocess.run([sys.executable, str(TOOL), "--router", a, "--router", b, "set", "--workers", "-"],
+                           input=wanted(pd), capture_output=True, text=True, timeout=60, check=False)
+        assert p.returncode == 0, p.stderr
+        rep = json.loads(p.stdout)
+        assert rep["changed"] is True and sorted(rep["routers"]) == sorted([a, b])
+        assert all(r["changed"] for r in rep["routers"].values())
+        assert complete(a) == (200, "d0:decode-after-p0") and complete(b) == (200, "d0:decode-after-p0")
+        p = subprocess.run([sys.executable, str(TOOL), "--router", a, "--router", b, "list"],
+                           capture_output=True, text=True, timeout=60, check=False)
+        assert p.returncode == 0, p.stderr
+        assert all(r["routable"] == {"m": True} for r in json.loads(p.stdout)["routers"].values())

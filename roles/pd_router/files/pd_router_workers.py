@@ -249,7 +249,8 @@ def execute(router, ops, current, models):
 
 
 def cmd_set(args, router):
-    raw = sys.stdin.read() if args.workers == "-" else open(args.workers, encoding="utf-8").read()
+    raw = args.workers_raw if getattr(args, "workers_raw", None) is not None else (
+        sys.stdin.read() if args.workers == "-" else open(args.workers, encoding="utf-8").read())
     wanted = parse_wanted(json.loads(raw), args.model)
     if args.wait:
         router.wait_live(args.wait)
@@ -287,6 +288,9 @@ def cmd_many(args, urls):
     import io
 
     reports = {}
+    if args.cmd == "set":
+        # Read the wanted list once: stdin is consumed by the first read.
+        args.workers_raw = sys.stdin.read() if args.workers == "-" else open(args.workers, encoding="utf-8").read()
     for url in urls:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
