@@ -63,6 +63,11 @@ def test_every_node_present_is_no_problem(tmp_path):
     sysfs = _ib_sysfs(tmp_path, {"mlx5_0": ["uverbs0"], "mlx5_1": ["uverbs1"]})
     dev = _dev_tree(tmp_path, uverbs=("uverbs0", "uverbs1"))
     assert gf.check_device_nodes(_facts(rdma_dir=sysfs), str(dev), ["mlx5_0:1", "mlx5_1"]) == []
+    # the nodes checked are those of the unit's DeviceAllow groups (docs/security.md lists both)
+    groups = {d.split()[0] for d in pd_recipe.UNIT_DEVICE_ALLOW}
+    for group in ("char-nvidiactl", "char-nvidia", "char-nvidia-uvm", "char-nvidia-caps",
+                  "char-nvidia-caps-imex-channels", "char-infiniband_verbs"):
+        assert group in groups, group
 
 
 @pytest.mark.parametrize(("missing", "fix"), [
@@ -124,14 +129,6 @@ def test_a_host_without_gpus_checks_only_rdma(tmp_path):
     dev = tmp_path / "empty"
     dev.mkdir()
     assert gf.check_device_nodes({"smi": None, "rdma": {}}, str(dev)) == []
-
-
-def test_the_checked_nodes_are_those_the_unit_allows():
-    """The check and the unit's DeviceAllow list name the same device groups (docs/security.md lists both)."""
-    groups = {d.split()[0] for d in pd_recipe.UNIT_DEVICE_ALLOW}
-    for group in ("char-nvidiactl", "char-nvidia", "char-nvidia-uvm", "char-nvidia-caps",
-                  "char-nvidia-caps-imex-channels", "char-infiniband_verbs"):
-        assert group in groups, group
 
 
 @pytest.mark.parametrize("enabled", [True, False])
