@@ -91,6 +91,24 @@ options:
     description: Directory listing the RDMA devices.
     type: path
     default: /sys/class/infiniband
+  check_device_nodes:
+    description:
+      - Check that the device nodes the sandboxed vLLM unit opens exist under O(dev_dir) (its C(DeviceAllow) list,
+        docs/security.md) - C(nvidiactl), C(nvidia-uvm), C(nvidia<minor>) of every GPU listed,
+        C(nvidia-caps/nvidia-cap*) when a GPU runs MIG, C(nvidia-caps-imex-channels/channel0) with
+        O(require_imex_channels), and C(infiniband/uverbs<N>) of every O(rdma_devices) entry. One C(device_node)
+        problem per missing node, naming the command that makes it. GPU nodes only when a GPU was found.
+    type: bool
+    default: false
+  dev_dir:
+    description: Directory holding the device nodes (tests point it at a fake tree).
+    type: path
+    default: /dev
+  require_imex_channels:
+    description:
+      - With O(check_device_nodes), IMEX channel 0 must exist (CUDA fabric memory handles across NVLink domains).
+    type: bool
+    default: false
   disk_path:
     description:
       - Path whose filesystem must have O(disk_min_free_bytes) free. When it does not exist yet, its nearest
@@ -145,7 +163,7 @@ problems:
 problem_details:
   description: The same problems as dicts with C(kind) (no_gpu, count, product, driver, persistence, mig,
     ecc_mode, ecc_errors, retired_pages, remapped_rows, repair_pending, unrepairable_memory, fabric, nvlink,
-    rdma, nic_affinity, disk), C(gpu) and C(message).
+    rdma, nic_affinity, device_node, disk), C(gpu) and C(message).
   returned: always
   type: list
   elements: dict
@@ -264,6 +282,9 @@ def run_module():
             instances=dict(type="list", elements="dict", default=[]),
             nic_affinity_links=dict(type="list", elements="str", default=["PIX", "PXB"]),
             rdma_sysfs_dir=dict(type="path", default="/sys/class/infiniband"),
+            check_device_nodes=dict(type="bool", default=False),
+            dev_dir=dict(type="path", default="/dev"),
+            require_imex_channels=dict(type="bool", default=False),
             disk_path=dict(type="path"),
             disk_min_free_bytes=dict(type="int", default=0),
         ),
@@ -284,6 +305,8 @@ def run_module():
                                              p["nic_affinity_links"])
     else:
         details = gf.check_rdma(facts, expect)
+    if p["check_device_nodes"]:
+        details += gf.check_device_nodes(facts, p["dev_dir"], p["rdma_devices"], p["require_imex_channels"])
     disk = None
     if p["disk_path"]:
         try:

@@ -449,3 +449,66 @@ def instance_nics(instances):
         out.append({"name": inst.get("name", "?"), "gpus": [int(g) for g in inst.get("gpus") or []],
                     "nics": [str(d).strip().partition(":")[0] for d in devices if str(d).strip()]})
     return out
+
+
+# Device nodes the sandboxed vLLM unit opens (module_utils/pd_recipe.py UNIT_DEVICE_ALLOW, docs/security.md). The unit
+# has no capability and ProtectKernelModules: it cannot load nvidia-uvm or let nvidia-modprobe (setuid) create a
+# missing node, so CUDA would fail at start with no device. Each missing node is one problem naming its fix.
+_FIX_NVIDIA = ("the driver's nodes are made by nvidia-persistenced (roles/nvidia_driver) or, as root, by "
+               "`nvidia-modprobe -c {minor}` (with /dev/nvidiactl)")
+_FIX_UVM = "load the UVM module and make its nodes as root: `nvidia-modprobe -u -c=0` (at boot: a oneshot unit)"
+_FIX_CAPS = ("MIG is enabled: make the MIG capability nodes as root (`nvidia-modprobe -f "
+             "/proc/driver/nvidia/capabilities/mig/config`) or disable MIG (`nvidia-smi -mig 0`)")
+_FIX_IMEX = ("make IMEX channel 0 as root (`nvidia-modprobe -i 0:1`), or load nvidia with "
+             "NVreg_CreateImexChannel0=1")
+_FIX_UVERBS = "load the verbs module as root (`modprobe ib_uverbs`; rdma-core's rdma-load-modules does it at boot)"
+
+
+def _node_problem(path, fix, gpu=None):
+    return _problem("device_node", f"device node {path} missing: {fix}", gpu)
+
+
+def check_device_nodes(facts, dev_dir="/dev", rdma_devices=(), require_imex=False):
+    """Problems for the GPU and RDMA device nodes a sandboxed vLLM unit needs that do not exist under dev_dir.
+
+    GPU nodes are those of every GPU nvidia-smi lists (/dev/nvidia<minor>; the minor number, not the index), plus
+    /dev/nvidiactl and /dev/nvidia-uvm; /dev/nvidia-caps/ when a GPU runs MIG; /dev/nvidia-caps-imex-channels/channel0
+    when require_imex; /dev/infiniband/uverbs<N> of every RDMA device in rdma_devices that sysfs lists (a device
+    missing from sysfs is check_rdma's problem).
+    """
+    problems = []
+    gpus = (facts.get("smi") or {}).get("gpus") or []
+    if gpus:
+        first = gpus[0]["index"] if gpus[0].get("minor_number") is None else gpus[0]["minor_number"]
+        for name, fix in (("nvidiactl", _FIX_NVIDIA.format(minor=first)), ("nvidia-uvm", _FIX_UVM)):
+            if not os.path.exists(os.path.join(dev_dir, name)):
+                problems.append(_node_problem(os.path.join(dev_dir, name), fix))
+        for g in gpus:
+            minor = g.get("minor_number")
+            minor = g["index"] if minor is None else minor
+            path = os.path.join(dev_dir, f"nvidia{minor}")
+            if not os.path.exists(path):
+                problems.append(_node_problem(path, _FIX_NVIDIA.format(minor=minor), g["index"]))
+        caps = os.path.join(dev_dir, "nvidia-caps")
+        mig = [g["index"] for g in gpus if str(g.get("mig_mode_current", "")).lower() == "enabled"]
+        if mig and not (os.path.isdir(caps) and any(n.startswith("nvidia-cap") for n in os.listdir(caps))):
+            problems.append(_node_problem(caps + "/nvidia-cap*", _FIX_CAPS, mig[0]))
+        if require_imex:
+            channel = os.path.join(dev_dir, "nvidia-caps-imex-channels", "channel0")
+            if not os.path.exists(channel):
+                problems.append(_node_problem(channel, _FIX_IMEX))
+    rdma = facts.get("rdma") or {}
+    sysfs = facts.get("rdma_dir", "/sys/class/infiniband")
+    for name in sorted({str(d).partition(":")[0] for d in rdma_devices}):
+        if name not in rdma:
+            continue
+        verbs_dir = os.path.join(sysfs, name, "device", "infiniband_verbs")
+        verbs = sorted(os.listdir(verbs_dir)) if os.path.isdir(verbs_dir) else []
+        if not verbs:
+            problems.append(_problem("device_node", f"RDMA device {name} has no verbs device ({verbs_dir} is empty "
+                                     f"or missing): {_FIX_UVERBS}"))
+        for uverbs in verbs:
+            path = os.path.join(dev_dir, "infiniband", uverbs)
+            if not os.path.exists(path):
+                problems.append(_node_problem(path, f"verbs device of {name}; {_FIX_UVERBS}"))
+    return problems

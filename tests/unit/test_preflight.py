@@ -44,13 +44,22 @@ def runs(tmp_path_factory):
                     ANSIBLE_NOCOLOR="1", FAKE_SMI_DIR=H200_DIR)
     fake_env = dict(base_env, PATH=str(fake_bin) + os.pathsep + base_env.get("PATH", ""))
     local = ["-e", "ansible_connection=local", "-e", "ansible_python_interpreter=" + sys.executable]
+    # the H200 host's device nodes (the sandboxed vLLM unit's, checked by preflight): all of them, and all but UVM
+    devs = {}
+    for name, nodes in (("dev", ("nvidiactl", "nvidia-uvm", "nvidia0")), ("dev-no-uvm", ("nvidiactl", "nvidia0"))):
+        devs[name] = tmp / name
+        devs[name].mkdir()
+        for node in nodes:
+            (devs[name] / node).write_text("")
+    h200 = ["-i", H200_INV, "--check", "-e", "preflight_min_cpus=1", "-e", "preflight_min_memory_mb=1",
+            "-e", "pd_model_size_bytes=1"]
     b300 = ["-i", os.path.join(ROOT, "inventory", "b300"), "--limit", "b300-01", "-e", "ansible_host=127.0.0.1"]
     specs = {
         "cpu": (["-i", os.path.join(ROOT, "inventory", "local"), "--limit", "pd-prefill-0"], base_env),
         "b300_no_gpu": (b300, base_env),
         # the test machine is not sized like the device: relax CPUs / disk, keep every GPU expectation
-        "h200_fake": (["-i", H200_INV, "--check", "-e", "preflight_min_cpus=1", "-e", "preflight_min_memory_mb=1",
-                       "-e", "pd_model_size_bytes=1"], fake_env),
+        "h200_fake": (h200 + ["-e", f"preflight_dev_dir={devs['dev']}"], fake_env),
+        "h200_fake_no_uvm": (h200 + ["-e", f"preflight_dev_dir={devs['dev-no-uvm']}"], fake_env),
         "b300_fake_h200": (b300, fake_env),
     }
     procs = {}
@@ -91,6 +100,14 @@ def test_h200_capture_passes_h200_inventory_in_check_mode(runs):
     assert "h200-01: 1 x NVIDIA H200, driver 580.159.04, CUDA 13.0, fabric N/A" in out
     assert "h200-01: preflight passed (1 x NVIDIA H200;" in out
     assert "changed=0" in out and "failed=0" in out
+
+
+def test_h200_host_without_uvm_node_fails_naming_it_and_the_fix(runs):
+    rc, out = runs["h200_fake_no_uvm"]
+    assert rc == 2, out
+    assert "h200-01: preflight found 1 problem(s):" in out
+    assert "/dev-no-uvm/nvidia-uvm missing: load the UVM module and make its nodes as root: `nvidia-modprobe -u -c=0`" \
+        in out
 
 
 def test_h200_capture_fails_b300_inventory_naming_product_count_fabric(runs):
