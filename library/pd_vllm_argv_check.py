@@ -115,6 +115,12 @@ def collect_argvs(hosts, recipe):
                 problems.append(f"host {host}, {exc}" if str(exc).startswith("instance") else
                                 f"host {host}, instance {inst.get('name')}, {exc}")
                 continue
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:  # shapes pd_topology names field by field
+                problems.append(
+                    f"host {host}, instance {inst.get('name')}: the argv cannot be rendered ({type(exc).__name__}: "
+                    f"{exc}); run playbooks/validate.yml, whose pd_topology task names the field"
+                )
+                continue
             items.append({"host": str(host), "instance": inst.get("name"), "pool": inst.get("pool"), "argv": argv})
     return items, problems
 

@@ -209,3 +209,18 @@ def test_validate_playbook_names_a_missing_venv(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "vLLM venv is missing" in out and "scripts/bootstrap --local" in out
+
+
+def test_input_pd_topology_refuses_is_named_without_a_traceback(monkeypatch, tmp_path, parser_runs):
+    """Standalone (pd_topology not run first): recipe vars of the wrong shape become problem lines."""
+    hosts, recipe, pinned = module_input(ROOT / "inventory" / "b300")
+    fake_python = tmp_path / "python"  # never run: nothing renders, so there is nothing to parse
+    fake_python.write_text("#!/bin/sh\nexit 1\n")
+    fake_python.chmod(0o755)
+    args = {"hosts": hosts, "recipe": dict(recipe, pd_vllm_flags_pool=["prefill", "decode"]),
+            "python": str(fake_python), "vllm_version": pinned}
+    for hv in hosts.values():
+        hv.pop("recipe")
+    result, failed = run_module(MODULE.main, args, monkeypatch=monkeypatch)
+    assert failed and parser_runs == []
+    assert "host b300-01, instance prefill-a: the argv cannot be rendered (AttributeError" in result["msg"]
