@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -444,7 +445,14 @@ def plot_report(rep: dict, out_dir: Path) -> list[str]:
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0)
+        values = [p[key] for c in rep["contexts"] for p in c["points"] if p[key]] + ([limit] if limit else [])
+        if limit is not None and values and max(values) / min(values) > 20:
+            # an overloaded point (queue building up) is 10-100x the limit: on a linear axis it flattens every
+            # point near the limit, where the answer is
+            ax.set_yscale("log")
+            ax.set_ylabel(f"{label}, log scale")
+        else:
+            ax.set_ylim(bottom=0)
         ax.set_title(f"{label} vs request rate ({rep['mode']}); x = misses SLA, dotted = max rate")
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
@@ -523,6 +531,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    # SIGTERM as an exception: subprocess.run then kills the running `vllm bench serve` instead of orphaning it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         a = parse_args(argv)
     except UsageError as exc:
