@@ -499,7 +499,8 @@ def parse_args(argv):
     ap.add_argument("--min-prompts", type=int, default=6)
     ap.add_argument("--max-prompts", type=int, default=200)
     ap.add_argument("--point-timeout", type=float, default=300.0,
-                    help="a point still running after this many seconds counts as a miss (overloaded)")
+                    help="a point still running after this many seconds counts as a miss (overloaded); it "
+                         "includes the client's start-up (vLLM import: 10 s idle, a minute on busy shared cores)")
     ap.add_argument("--sla-ttft-ms", type=float, help="override pd_sla.ttft_mean_s (reported as an override)")
     ap.add_argument("--sla-tpot-ms", type=float, help="override pd_sla.tpot_mean_ms (reported as an override)")
     ap.add_argument("--seed", type=int, default=0)
@@ -560,9 +561,12 @@ def main(argv=None) -> int:
            "contexts": []}
     t0 = time.time()
     start_rate = a.start_rate
+    measured: list[Point] = []
+    recorded = True  # the points of `measured` are in rep already
+    interrupted = ""
     try:
         for ctx in contexts:
-            measured: list[Point] = []
+            measured, recorded = [], False
 
             def measure(rate, ctx=ctx, measured=measured):
                 p = run_point(a, ctx, rate, raw_dir, log)
@@ -584,16 +588,30 @@ def main(argv=None) -> int:
                 start_rate = max_rate if max_rate > 0 else start_rate
             rep["contexts"].append({"context": ctx, "max_rate": max_rate, "fail_rate": fail_rate,
                                     "points": [asdict(p) for p in measured]})
-    except RuntimeError as exc:
+            recorded = True
+    except UsageError as exc:
         log(f"sla_capacity: {exc}")
         return 2
+    except (RuntimeError, SystemExit, KeyboardInterrupt) as exc:
+        # keep what was measured: a long search stopped by hand (or a failed client) still leaves a report
+        interrupted = str(exc) or type(exc).__name__
+        log(f"sla_capacity: stopped ({interrupted}); writing the report of the points measured")
+        if measured and not recorded:
+            passed = [p.rate for p in measured if p.passed]
+            rep["contexts"].append({"context": measured[0].context, "max_rate": max(passed, default=0.0),
+                                    "fail_rate": min((p.rate for p in measured if not p.passed), default=None),
+                                    "incomplete": True, "points": [asdict(p) for p in measured]})
     rep["wall_s"] = round(time.time() - t0, 1)
+    if interrupted:
+        rep["interrupted"] = interrupted
     if baseline and a.finer_sweep:
         rep["comparison"] = compare(baseline, rep)
     (out_dir / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
     plot_report(rep, out_dir)
     (out_dir / "report.md").write_text(render_markdown(rep))
     print(out_dir)
+    if interrupted:
+        return 2
     return 0 if all(c["max_rate"] > 0 for c in rep["contexts"]) else 1
 
 
