@@ -161,6 +161,11 @@ def parse_bench_result(data: dict, point: Point) -> Point:
         if key in data and data[key] is not None:
             setattr(point, key, data[key])
     point.duration_s = float(data["duration"])
+    if not data["completed"]:
+        # vLLM writes 0 for the latencies of a run where nothing completed: no latency was measured
+        for key in RESULT_FIELDS:
+            if key.endswith("_ms"):
+                setattr(point, key, None)
     # vLLM counts failed requests in `failed` (newer) or only leaves them out of `completed` (older)
     if "failed" not in data:
         point.failed = max(0, point.num_prompts - int(data["completed"]))

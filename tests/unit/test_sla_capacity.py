@@ -108,6 +108,13 @@ def test_parse_counts_missing_requests_as_failed_without_failed_field():
     assert "4/6 completed" in reason
 
 
+def test_parse_all_failed_has_no_latency():
+    data = dict(json.loads(FIXTURE.read_text()), completed=0, failed=6, mean_ttft_ms=0.0, mean_tpot_ms=0.0)
+    point = cap.parse_bench_result(data, cap.Point(context=256, rate=0.5, num_prompts=6))
+    assert point.mean_ttft_ms is None  # vLLM's 0.0 would plot as the best point (and as -inf on a log axis)
+    assert cap.sla_verdict(point, SLA) == (False, "6 failed, 0/6 completed")
+
+
 def test_parse_rejects_other_json():
     with pytest.raises(ValueError, match="mean_ttft_ms"):
         cap.parse_bench_result({"completed": 1, "duration": 1.0, "mean_tpot_ms": 1.0},
