@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from ansible.module_utils.testing import patch_module_args
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE_UTILS = ROOT / "module_utils"
+# The control node's pinned vLLM venv (scripts/bootstrap.d/45-vllm-venv): tests that run vLLM's own parser use it.
+VLLM_VENV_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
 LIBRARY = ROOT / "library"
 
 # Tests import module_utils plainly (`import pd_recipe`) and modules import them as ansible.module_utils.<name>.
@@ -112,3 +115,12 @@ def run_module(main, args: dict, *, check_mode: bool = False, diff: bool = False
         except ModuleExit as e:
             return e.result, e.failed
     raise AssertionError("module returned without exit_json/fail_json")
+
+
+def need_vllm_venv() -> None:
+    """Fail (or, with PD_ALLOW_NO_VLLM=1, skip) a test that needs the control node's vLLM venv."""
+    if VLLM_VENV_PY.exists():
+        return
+    if os.environ.get("PD_ALLOW_NO_VLLM") == "1":
+        pytest.skip(f"{VLLM_VENV_PY} absent and PD_ALLOW_NO_VLLM=1")
+    pytest.fail(f"{VLLM_VENV_PY} is missing: run scripts/bootstrap --local (or set PD_ALLOW_NO_VLLM=1 to skip)")

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -171,6 +172,22 @@ http {{
 """)
 
 
+@contextlib.contextmanager
+def _nginx(tmp: Path, port: int):
+    """The real nginx on the config _render wrote into `tmp`, listening on `port` until the block ends."""
+    subprocess.run([NGINX, "-p", str(tmp), "-c", str(tmp / "nginx.conf")], check=True)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield
+    finally:
+        subprocess.run([NGINX, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-s", "stop"], check=False)
+
+
 @pytest.fixture
 def frontdoor(tmp_path):
     """A real nginx with the role's config in front of: P/D router A (HTTP 500), P/D router B (connection refused),
@@ -186,17 +203,10 @@ def frontdoor(tmp_path):
     check = subprocess.run([NGINX, "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
                            capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stderr
-    subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], check=True)
     try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        yield {"url": f"http://127.0.0.1:{port}", "ups": ups, "dir": tmp_path}
+        with _nginx(tmp_path, port):
+            yield {"url": f"http://127.0.0.1:{port}", "ups": ups, "dir": tmp_path}
     finally:
-        subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-s", "stop"], check=False)
         for u in ups.values():
             u.close()
 
@@ -270,25 +280,18 @@ def test_a_stream_that_broke_after_its_first_byte_is_not_retried(tmp_path):
                  "mode": "colocated"}]
     port = _free_port()
     _render(tmp_path, port, backends)
-    subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], check=True)
     try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b'{"stream": true}',
-                                     headers={"Authorization": f"Bearer {KEY}"}, method="POST")
-        with urllib.request.urlopen(req, timeout=20) as r:
-            assert r.status == 200
-            first = r.fp.readline()
-            assert first.startswith(b"data: ")
-            with pytest.raises((urllib.error.URLError, ConnectionError, http_incomplete())):
-                r.read()
-        assert len(ups["pd"].seen) == 1 and not ups["colocated"].seen
+        with _nginx(tmp_path, port):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b'{"stream": true}',
+                                         headers={"Authorization": f"Bearer {KEY}"}, method="POST")
+            with urllib.request.urlopen(req, timeout=20) as r:
+                assert r.status == 200
+                first = r.fp.readline()
+                assert first.startswith(b"data: ")
+                with pytest.raises((urllib.error.URLError, ConnectionError, http_incomplete())):
+                    r.read()
+            assert len(ups["pd"].seen) == 1 and not ups["colocated"].seen
     finally:
-        subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-s", "stop"], check=False)
         for u in ups.values():
             u.close()
 
@@ -311,25 +314,18 @@ def test_tls_when_a_certificate_is_given(tmp_path):
     _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
             pd_frontdoor_tls_certificate=str(cert), pd_frontdoor_tls_certificate_key=str(key))
     assert f"listen 127.0.0.1:{port} ssl;" in (tmp_path / "pd-frontdoor.conf").read_text()
-    subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], check=True)
-    try:
-        import ssl
+    import ssl
 
-        ctx = ssl.create_default_context(cafile=str(cert))
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        url = f"https://127.0.0.1:{port}/v1/completions"
-        req = urllib.request.Request(url, data=b"{}", headers={"Authorization": f"Bearer {KEY}"}, method="POST")
-        with urllib.request.urlopen(req, timeout=20, context=ctx) as r:
-            assert r.status == 200 and json.loads(r.read())["served_by"] == "pd"
-        req = urllib.request.Request(url, data=b"{}", method="POST")
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(req, timeout=20, context=ctx)
-        assert err.value.code == 401
+    ctx = ssl.create_default_context(cafile=str(cert))
+    try:
+        with _nginx(tmp_path, port):
+            url = f"https://127.0.0.1:{port}/v1/completions"
+            req = urllib.request.Request(url, data=b"{}", headers={"Authorization": f"Bearer {KEY}"}, method="POST")
+            with urllib.request.urlopen(req, timeout=20, context=ctx) as r:
+                assert r.status == 200 and json.loads(r.read())["served_by"] == "pd"
+            req = urllib.request.Request(url, data=b"{}", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=20, context=ctx)
+            assert err.value.code == 401
     finally:
-        subprocess.run([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-s", "stop"], check=False)
         up.close()

@@ -16,21 +16,12 @@ from pathlib import Path
 
 import pd_recipe
 import pytest
-from conftest import ROOT, load_inventory, load_library, run_module
+from conftest import ROOT, VLLM_VENV_PY, load_inventory, load_library, need_vllm_venv, run_module
 
 vllm_instance = load_library("vllm_instance")
 
-VLLM_VENV_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
 LAUNCHER = ROOT / "roles" / "vllm_install" / "files" / "pd_vllm_cli.py"
 MARK = "PD_TEST_RESULT "
-
-
-def _need_venv():
-    if VLLM_VENV_PY.exists():
-        return
-    if os.environ.get("PD_ALLOW_NO_VLLM") == "1":
-        pytest.skip(f"{VLLM_VENV_PY} absent and PD_ALLOW_NO_VLLM=1")
-    pytest.fail(f"{VLLM_VENV_PY} is missing: run scripts/bootstrap --local (or set PD_ALLOW_NO_VLLM=1 to skip)")
 
 
 def _run_in(python, script, stdin=None, timeout=900):
@@ -121,7 +112,7 @@ def _ours(flags, env):
 
 @pytest.fixture(scope="module")
 def vllm_counts():
-    _need_venv()
+    need_vllm_venv()
     cases = [(f"synthetic:{i}", flags, env, ["/m", *pd_recipe.flags_to_argv(flags)])
              for i, (flags, env) in enumerate(SYNTHETIC)]
     cases += _inventory_cases()
@@ -154,7 +145,7 @@ def test_vllm_serve_runs_dp_size_api_servers_for_b300(vllm_counts):
 @pytest.fixture(scope="module")
 def launcher_venv(tmp_path_factory):
     """A venv over .cache/vllm-venv's packages (not modified) with pd_vllm_cli.py in its site-packages."""
-    _need_venv()
+    need_vllm_venv()
     base = Path(os.path.realpath(VLLM_VENV_PY))
     venv = tmp_path_factory.mktemp("launcher") / "venv"
     (venv / "bin").mkdir(parents=True)

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible.module_utils import basic
-from conftest import ROOT, load_library, run_module
+from conftest import ROOT, VLLM_VENV_PY, load_library, need_vllm_venv, run_module
 from pd_recipe import RECIPE_KEYS
 
-VLLM_VENV_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
 MODULE = load_library("pd_vllm_argv_check")
 SERVERS = 12
 
@@ -56,14 +55,6 @@ RENDERER_CASES = {
                                  ["host b300-11, instance prefill-11b, field extra_flags: flag "
                                   "'gpu-memory-utilization' is 1.2"]),
 }
-
-
-def _need_venv():
-    if VLLM_VENV_PY.exists():
-        return
-    if os.environ.get("PD_ALLOW_NO_VLLM") == "1":
-        pytest.skip(f"{VLLM_VENV_PY} absent and PD_ALLOW_NO_VLLM=1")
-    pytest.fail(f"{VLLM_VENV_PY} is missing: run scripts/bootstrap --local (or set PD_ALLOW_NO_VLLM=1 to skip)")
 
 
 def copy_inventory(dest: Path, servers: int = SERVERS, extra_flags: dict | None = None) -> Path:
@@ -138,7 +129,7 @@ def hostile_inventory(tmp_path_factory):
 
 
 def test_hostile_copy_gets_every_problem_named_from_one_parser_process(hostile_inventory, monkeypatch, parser_runs):
-    _need_venv()
+    need_vllm_venv()
     result, failed = _run(monkeypatch, hostile_inventory)
     assert failed, result
     problems = result["problems"]
@@ -157,7 +148,7 @@ def test_hostile_copy_gets_every_problem_named_from_one_parser_process(hostile_i
 
 @pytest.mark.parametrize("name", ["b300", "local"])
 def test_real_inventories_parse(name, monkeypatch, parser_runs):
-    _need_venv()
+    need_vllm_venv()
     result, failed = _run(monkeypatch, ROOT / "inventory" / name)
     assert not failed, result.get("msg")
     assert result["problems"] == []
@@ -175,7 +166,7 @@ def test_missing_venv_says_how_to_get_one(monkeypatch, tmp_path, parser_runs):
 
 
 def test_another_vllm_release_is_refused_before_importing_it(monkeypatch, parser_runs):
-    _need_venv()
+    need_vllm_venv()
     result, failed = _run(monkeypatch, ROOT / "inventory" / "b300", version="0.31.0")
     assert failed
     assert "the hosts get 0.31.0 (pd_vllm_version)" in result["msg"], result["msg"]
@@ -193,7 +184,7 @@ def _playbook(inv: Path, *extra: str) -> subprocess.CompletedProcess:
 
 def test_validate_playbook_refuses_what_only_vllms_parser_knows(tmp_path):
     """Through validate.yml: pd_topology accepts these, the parse task after it refuses them by host, instance, flag."""
-    _need_venv()
+    need_vllm_venv()
     inv = copy_inventory(tmp_path / "b300-12", extra_flags={k: v[0] for k, v in PARSER_CASES.items()})
     proc = _playbook(inv)
     out = proc.stdout + proc.stderr

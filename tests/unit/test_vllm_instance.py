@@ -13,11 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, load_inventory, load_library, run_module
+from conftest import VLLM_VENV_PY, load_inventory, load_library, need_vllm_venv, run_module
 
 vllm_instance = load_library("vllm_instance")
 
-VLLM_VENV_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
 GROUP = grp.getgrgid(os.getgid()).gr_name
 
 
@@ -308,14 +307,6 @@ def test_render_root(env, monkeypatch):
 
 # ---- the real vLLM argument parser of the installed version -------------------------------------------------
 
-def _need_venv():
-    if VLLM_VENV_PY.exists():
-        return
-    if os.environ.get("PD_ALLOW_NO_VLLM") == "1":
-        pytest.skip(f"{VLLM_VENV_PY} absent and PD_ALLOW_NO_VLLM=1")
-    pytest.fail(f"{VLLM_VENV_PY} is missing: run scripts/bootstrap --local (or set PD_ALLOW_NO_VLLM=1 to skip)")
-
-
 def real_run_command(self, args, data=None, environ_update=None, **kw):
     proc = subprocess.run(args, input=data, capture_output=True, text=True, timeout=600, check=False,
                           env=dict(os.environ, **(environ_update or {})))
@@ -324,7 +315,7 @@ def real_run_command(self, args, data=None, environ_update=None, **kw):
 
 @pytest.fixture
 def real_env(env):
-    _need_venv()
+    need_vllm_venv()
     env["args"]["validate_python"] = str(VLLM_VENV_PY)
     return env
 
@@ -362,7 +353,7 @@ def _without(argv, flag):
 @pytest.fixture(scope="module")
 def batch():
     """One vLLM process parses every case (importing vLLM takes ~15 s of CPU, a minute on a busy machine)."""
-    _need_venv()
+    need_vllm_venv()
     local = _argvs("local")
     base = local["prefill-0"]
     cases = {f"local:{k}": v for k, v in local.items()}
