@@ -41,6 +41,7 @@ from ansible.module_utils.model_manifest import (
     open_dir_beneath,
     open_nofollow,
     read_manifest_file,
+    revisions_in_use,
     scan_links,
     symlink_error,
     validate_manifest,
@@ -65,7 +66,8 @@ description:
     is never visible under the revision directory.
   - A disk-space preflight (bytes still to fetch + O(space_margin_mib)) runs before anything is written.
   - The served symlink is switched atomically (symlink to a temporary name, then rename over O(link)); revisions
-    beyond the O(keep) most recently served are deleted.
+    beyond the O(keep) most recently served are deleted, except those a vLLM instance record (O(in_use_records))
+    names.
   - The manifest of an already complete revision is read from C(<root>/revisions/<revision>/manifest.json), so a
     healthy host does not need the source; the source is contacted only when something has to be fetched.
   - Revisions that are 64 hex digits are content addresses (sha256 of the canonical file list, see
@@ -78,7 +80,8 @@ attributes:
     details: Reports per-file state, what would be fetched and how many bytes; touches nothing.
   diff_mode:
     support: partial
-    details: Shows the served symlink target before and after.
+    details: Shows the served symlink target and the revisions on disk before and after, and the revisions kept
+      beyond O(keep) because an instance record names them (with the records).
 options:
   root:
     description: Directory holding C(revisions/), C(.staging/) and the bookkeeping files.
@@ -145,6 +148,19 @@ options:
     description: How many served revisions to keep (the current one included) for rollback.
     type: int
     default: 2
+  in_use_records:
+    description:
+      - Absolute glob patterns of the vLLM instance records (JSON written by C(vllm_instance), schema 1). A
+        revision that any matching record names is never pruned, whatever O(keep) says - its field
+        C(model_revision), or the last component of C(model_path) when that lies in C(<root>/revisions/).
+      - A record describes what an instance's unit on disk runs (C(/etc/vllm/<name>.record.json)) or its rollback
+        target (C(/etc/vllm/rollback/<name>.record.json)); deleting that revision would leave an instance that cannot
+        (re)start or roll back.
+      - Fail safe - when a matching record cannot be read or understood (not JSON, not schema 1, no absolute
+        C(model_path)), nothing is pruned in this run and a warning names the file.
+    type: list
+    elements: str
+    default: []
   verify:
     description: V(full) hashes every file of the revision on every run; V(size) checks sizes only (fetched files are
       always hashed).
@@ -268,6 +284,23 @@ pruned:
   returned: always
   type: list
   elements: str
+kept_in_use:
+  description: Revisions beyond O(keep) that were not pruned because an instance record names them.
+  returned: always
+  type: list
+  elements: str
+  sample: ["3f0c...e1"]
+in_use:
+  description: Every revision of this root named by an instance record (O(in_use_records)), with the records.
+  returned: always
+  type: dict
+  sample: {"3f0c...e1": ["/etc/vllm/rollback/prefill-0.record.json"]}
+unreadable_records:
+  description: "Matching records that could not be read or understood (C(<path>: <why>)); when not empty nothing was
+    pruned."
+  returned: always
+  type: list
+  elements: str
 manifest_origin:
   description: V(local) when the revision's own manifest.json was used, else the source description.
   returned: always
@@ -301,6 +334,7 @@ class ModelWeights:
         self.revision = p["revision"]
         self.link = os.path.abspath(p["link"])
         self.keep = p["keep"]
+        self.in_use_records = p["in_use_records"]
         self.deep = p["verify"] == "full"
         self.workers = p["workers"] or default_workers()
         self.dl_workers = max(1, p["download_workers"])
@@ -329,6 +363,12 @@ class ModelWeights:
             raise WeightsError(f"revision {self.revision!r} is not a plain revision id ([A-Za-z0-9._-], no '/')")
         if self.keep < 1:
             raise WeightsError(f"keep must be >= 1 (got {self.keep})")
+        relative = [p for p in self.in_use_records if not p.startswith("/")]
+        if relative:
+            raise WeightsError(
+                f"in_use_records {relative} must be absolute glob patterns (e.g. /etc/vllm/*.record.json): a relative "
+                "one would be read from wherever the module happens to run (model_weights_in_use_records)"
+            )
         t = src["type"]
         if src.get("revision") and src["revision"] != self.revision:
             raise WeightsError(f"source.revision {src['revision']} differs from revision {self.revision}")
@@ -560,7 +600,12 @@ class ModelWeights:
             return []
 
     def _prune_plan(self):
+        """Revisions to delete: beyond the keep most recently served, not the served one and not named by any
+        instance record. Also sets present (revisions on disk), in_use, kept_in_use and record_problems."""
         revs_dir = os.path.join(self.root, "revisions")
+        self.in_use, self.record_problems = revisions_in_use(self.in_use_records, revs_dir)
+        self.kept_in_use = []
+        self.present = []
         if not os.path.isdir(revs_dir):
             return []
         present = [
@@ -573,8 +618,13 @@ class ModelWeights:
             key=lambda r: os.stat(os.path.join(revs_dir, r)).st_mtime,
             reverse=True,
         )
-        order = known + unknown
-        return [r for r in order[self.keep:] if r != self.revision]
+        self.present = sorted(present)
+        beyond = [r for r in (known + unknown)[self.keep:] if r != self.revision]
+        if self.record_problems:
+            # Any revision may be what the unreadable record's instance runs: keep them all until it is fixed.
+            return []
+        self.kept_in_use = [r for r in beyond if r in self.in_use]
+        return [r for r in beyond if r not in self.in_use]
 
     # ------------------------------------------------------------ apply
 
@@ -730,6 +780,8 @@ class ModelWeights:
             os.replace(tmp, self.link)
             changed = True
         history = [self.revision] + [r for r in self._history() if r != self.revision]
+        # Planned before the lock and the fetch: read the records again, so one written meanwhile still counts.
+        self.to_prune = self._prune_plan()
         for r in self.to_prune:
             shutil.rmtree(os.path.join(self.root, "revisions", r), ignore_errors=False)
             shutil.rmtree(os.path.join(self.root, ".staging", r), ignore_errors=True)
@@ -755,11 +807,11 @@ class ModelWeights:
             fetch_bytes=self.fetch_bytes if self.todo else 0,
             transferred_bytes=0,
             removed=self.extra,
-            pruned=self.to_prune,
             manifest_origin=self.origin,
         )
         if self.local_manifest_bad:
             self.module.warn(f"ignored the revision's own manifest ({self.local_manifest_bad}); used the source's")
+        revisions_before = list(self.present)
         final = dict(self.states)
         if self.check:
             changed = bool(self.todo or self.extra or not self.link_ok or self.to_prune)
@@ -772,6 +824,19 @@ class ModelWeights:
             result["transferred_bytes"] = transferred
             for f in self.todo:
                 final[f["path"]] = FETCHED if self.states[f["path"]] == MISSING else REPAIRED
+        result.update(
+            pruned=self.to_prune,
+            kept_in_use=self.kept_in_use,
+            in_use={r: paths for r, paths in sorted(self.in_use.items())},
+            unreadable_records=self.record_problems,
+        )
+        if self.record_problems:
+            self.module.warn(
+                f"pruned no revision under {self.root}/revisions: {len(self.record_problems)} vLLM instance record(s) "
+                "matching in_use_records could not be read, so any revision may still be in use: "
+                + "; ".join(self.record_problems)
+                + "; fix or remove the record (re-running the vllm_serve role rewrites it) and rerun"
+            )
         result["files"] = [
             {"path": f["path"], "size": f["size"], "state": final[f["path"]]} for f in self.manifest["files"]
         ]
@@ -780,10 +845,15 @@ class ModelWeights:
             summary[s] = summary.get(s, 0) + 1
         result["summary"] = summary
         result["elapsed_s"] = round(time.monotonic() - t0, 3)
-        if not self.link_ok:
+        if not self.link_ok or self.to_prune or self.kept_in_use:
+            revisions_after = sorted(r for r in set(revisions_before) | {self.revision} if r not in self.to_prune)
+            after = {"link": self.link, "target": self.want_target, "revisions": revisions_after}
+            if self.kept_in_use:
+                after["kept_in_use"] = {r: self.in_use[r] for r in self.kept_in_use}
             result["diff"] = {
-                "before": {"link": self.link, "target": self.current_target or "(absent)"},
-                "after": {"link": self.link, "target": self.want_target},
+                "before": {"link": self.link, "target": self.current_target or "(absent)",
+                           "revisions": revisions_before},
+                "after": after,
             }
         result["changed"] = changed
         return result
@@ -814,6 +884,7 @@ def main():
             ),
             token=dict(type="str", no_log=True),
             keep=dict(type="int", default=2),
+            in_use_records=dict(type="list", elements="str", default=[]),
             verify=dict(type="str", default="full", choices=["full", "size"]),
             workers=dict(type="int", default=0),
             download_workers=dict(type="int", default=4),
