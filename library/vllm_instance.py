@@ -108,6 +108,21 @@ options:
       - Write the files under this directory instead of C(/) (review renders on the control node,
         playbooks/render.yml). Ownership is not changed in that mode.
     type: path
+  pin_model_revision:
+    description:
+      - When C(pd_model_path) is a symlink on the host (role model_weights makes it point to
+        C(<root>/revisions/<revision>)), the unit loads the directory it points to, not the symlink. A revision
+        switch then changes the unit, so every instance restarts through the caller's drain path, and an instance
+        that crash-restarts before its turn keeps loading the revision it was checked with.
+      - Not applied with O(render_root) (nothing is resolved on the control node).
+    type: bool
+    default: true
+notes:
+  - "Besides the unit and env file, writes C(<env_dir>/<name>.record.json) (0644): what the unit runs,
+    machine-readable (python, command, argv, model revision, vLLM and NIXL versions, NIXL compatibility key,
+    API server count). The change path (role pd_rollout) reads records, never the unit text."
+  - "Before it changes the files of an instance that runs them (no restart pending), copies the old unit, env
+    file and record to C(<env_dir>/rollback/): what to put back if the restart fails."
 attributes:
   check_mode:
     support: full
@@ -211,6 +226,28 @@ entry_point_checked:
   description: Whether the unit's entry point was checked in its own venv (O(validate_python) is O(python)).
   returned: always
   type: bool
+record:
+  description: The record written to RV(record_path) (what the unit on disk runs).
+  returned: always
+  type: dict
+  sample: {schema: 1, instance: prefill-a, pool: prefill, model_revision: 0123abcd, vllm_version: 0.32.0,
+           nixl_version: 0.7.1, compat_key: "vllm=0.32.0;nixl=0.7.1;flags=3f2a9c1b7d0e", api_server_count: 4}
+record_path:
+  description: Path of the record (under render_root when set).
+  returned: always
+  type: str
+  sample: /etc/vllm/prefill-a.record.json
+running_record:
+  description:
+    - The record of what the instance runs now, before this change is restarted into it (the rollback record
+      while a restart is pending, else the record found before this run); null when none was written yet.
+  returned: always
+  type: dict
+rollback_dir:
+  description: Where the files of the previous state are kept (C(<name>.service), C(.env), C(.record.json)).
+  returned: always (null with render_root)
+  type: str
+  sample: /etc/vllm/rollback
 """
 
 import grp  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
@@ -224,14 +261,21 @@ from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 from ansible.module_utils.pd_recipe import (  # noqa: E402
     CLI_LAUNCHER_MODULE,
     CONSOLE_SCRIPT_DISTRIBUTION,
+    RECORD_SUFFIX,
+    ROLLBACK_DIR,
     SERVE_SUBCOMMAND,
     RecipeError,
     api_server_count,
     build_argv,
     build_env,
     build_flags,
+    build_record,
     env_file_path,
+    parse_record,
+    pending_marker,
+    record_path,
     render_env_file,
+    render_record,
     render_unit,
     serve_command,
     unit_name,
@@ -274,6 +318,10 @@ try:
         from vllm import __version__ as version
     except ImportError:
         version = "unknown"
+    try:  # NIXL's version enters the compatibility key of the instance record
+        nixl = importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        nixl = None
 except Exception as e:
     emit({"ok": False, "stage": "import", "error": "%s: %s" % (type(e).__name__, e)})
     sys.exit(0)
@@ -295,7 +343,7 @@ def one(argv):
         return {"ok": False, "stage": stage, "error": msg[-1].split("error:", 1)[-1].strip(), "version": version}
     except Exception as e:
         return {"ok": False, "stage": stage, "error": "%s: %s" % (type(e).__name__, e), "version": version}
-    return {"ok": True, "version": version, "parser": "vllm.entrypoints.cli.serve.ServeSubcommand"}
+    return {"ok": True, "version": version, "nixl": nixl, "parser": "vllm.entrypoints.cli.serve.ServeSubcommand"}
 emit({"ok": True, "results": [one(a) for a in argvs]})
 """
 
@@ -339,7 +387,7 @@ def run_argcheck(module, python, argvs, timeout=300, entry=None):
 
 
 def validate_with_vllm(module, python, argv, name, timeout=300, *, command=None):
-    """Returns (validated, version). Fails the module when vLLM's parser rejects argv.
+    """Returns (validated, {"version", "nixl"}). Fails the module when vLLM's parser rejects argv.
 
     With `command` (the unit's own venv), also fails when that entry point cannot start there.
     """
@@ -348,7 +396,7 @@ def validate_with_vllm(module, python, argv, name, timeout=300, *, command=None)
             f"instance {name}: {python} does not exist (vLLM not installed yet?); flags were NOT checked "
             "with vLLM's argument parser"
         )
-        return False, None
+        return False, {}
     entry = entry_point_requirement(command) if command else {}
     if entry.get("console_script") and not os.path.exists(command[0]):
         module.fail_json(
@@ -366,7 +414,7 @@ def validate_with_vllm(module, python, argv, name, timeout=300, *, command=None)
         )
     result = problem or results[0]
     if result.get("ok"):
-        return True, result.get("version")
+        return True, {"version": result.get("version"), "nixl": result.get("nixl")}
     if result.get("stage") == "import":
         module.fail_json(
             msg=f"instance {name}: {python} cannot import vLLM's argument parser ({result.get('error')}). "
@@ -388,7 +436,7 @@ def validate_with_vllm(module, python, argv, name, timeout=300, *, command=None)
         argv=argv,
         vllm_version=result.get("version"),
     )
-    return False, None  # not reached
+    return False, {}  # not reached
 
 
 VALIDATE_CACHE_MAX = 256
@@ -471,8 +519,31 @@ def set_attrs(path, mode, uid, gid):
         os.chown(path, -1 if uid is None else uid, -1 if gid is None else gid)
 
 
-def pending_marker_path(env_dir, name):
-    return os.path.join(env_dir, f".{name}.restart-pending")
+def pinned_model_path(path):
+    """The revision directory a served symlink points to, or None (not a symlink, or nothing there yet)."""
+    if not isinstance(path, str) or not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    return target if os.path.isdir(target) else None
+
+
+def save_rollback(rollback_dir, name, before_texts, paths, *, uid, gid):
+    """Copy the files the instance runs now to rollback_dir (0750 root): unit, env (0640 root:gid), record."""
+    if not os.path.isdir(rollback_dir):
+        os.makedirs(rollback_dir, mode=0o750, exist_ok=True)
+    unit_path, env_path, rec_path = paths
+    saved = (
+        (unit_path, name + ".service", 0o644, None),
+        (env_path, name + ".env", 0o640, gid),
+        (rec_path, name + RECORD_SUFFIX, 0o644, None),
+    )
+    for src, dest_name, mode, fgid in saved:
+        dest = os.path.join(rollback_dir, dest_name)
+        if before_texts.get(src) is None:
+            if os.path.exists(dest):  # no record before (a unit from an older bundle): no stale one either
+                os.unlink(dest)
+            continue
+        atomic_write(dest, before_texts[src], mode, uid, fgid if uid == 0 else None)
 
 
 def under_root(render_root, path):
@@ -501,6 +572,7 @@ def main():
             restart_sec=dict(type="int", default=30),
             stop_grace_s=dict(type="int", default=30),
             render_root=dict(type="path"),
+            pin_model_revision=dict(type="bool", default=True),
         ),
         supports_check_mode=True,
     )
@@ -510,9 +582,11 @@ def main():
     if not isinstance(name, str) or not name:
         module.fail_json(msg="instance: field name is missing; every pd_instances entry needs a unique name")
     group = p["group"] or p["user"]
+    render_root = p["render_root"]
+    model_path = pinned_model_path(recipe.get("pd_model_path")) if p["pin_model_revision"] and not render_root else None
     try:
         command = serve_command(p["python"], p["vllm_package"])
-        argv = build_argv(recipe, instance)
+        argv = build_argv(recipe, instance, model_path)
         env = build_env(recipe, instance, p["host_address"], state_root=p["state_root"])
         servers = api_server_count(build_flags(recipe, instance), env)
         unit_text = render_unit(
@@ -526,6 +600,7 @@ def main():
             restart_sec=p["restart_sec"],
             stop_grace_s=p["stop_grace_s"],
             vllm_package=p["vllm_package"],
+            model_path=model_path,
         )
         env_text = render_env_file(env, instance)
     except RecipeError as exc:
@@ -533,7 +608,6 @@ def main():
         module.fail_json(msg=f"{where}{exc} (nothing was written)")
 
     uname = unit_name(instance)
-    render_root = p["render_root"]
     unit_path = under_root(render_root, os.path.join(p["unit_dir"], uname))
     env_path = under_root(render_root, env_file_path(instance, p["env_dir"]))
     result = dict(
@@ -551,6 +625,7 @@ def main():
         entry_point_checked=False,
     )
 
+    vllm_version = nixl_version = None
     if p["validate_flags"]:
         vpython = p["validate_python"] or p["python"]
         # The entry point can only be checked in the venv the unit runs (a review render parses b300's flags
@@ -562,23 +637,31 @@ def main():
         if cache_path and os.path.exists(vpython):
             key = validate_cache_key(vpython, cache_words)
             cache = read_validate_cache(cache_path)
-        if key and key in cache:
-            validated, version = True, cache[key].get("version")
+        # An entry written before records existed has no NIXL version: parse again once to learn it.
+        if key and key in cache and "nixl" in cache[key]:
+            validated, versions = True, cache[key]
             result["flags_validation_cached"] = True
         else:
-            validated, version = validate_with_vllm(
+            validated, versions = validate_with_vllm(
                 module, vpython, argv, name, p["validate_timeout"], command=checked_command
             )
             if validated and key and not module.check_mode:
                 key = validate_cache_key(vpython, cache_words)  # again: a first import may add a __pycache__
-                cache[key] = {"version": version, "at": int(time.time()), "instance": name}
+                cache[key] = {"version": versions.get("version"), "nixl": versions.get("nixl"),
+                              "at": int(time.time()), "instance": name}
                 write_validate_cache(cache_path, cache)
         result["flags_validated"] = validated
         result["entry_point_checked"] = validated and own_venv
-        if version:
-            result["vllm_version"] = version
+        if versions.get("version"):
+            result["vllm_version"] = versions["version"]
+        # The versions belong to the unit's own venv only; a review render parses with another vLLM.
+        if own_venv:
+            vllm_version, nixl_version = versions.get("version"), versions.get("nixl")
     else:
         module.warn(f"instance {name}: validate_flags=false, flags were NOT checked with vLLM's argument parser")
+    record = build_record(instance, python=p["python"], command=command, argv=argv, servers=servers,
+                          vllm_version=vllm_version, nixl_version=nixl_version)
+    result["record"] = record
 
     gid = None
     if not render_root:
@@ -592,15 +675,19 @@ def main():
                 )
     root_uid = 0 if not render_root and os.geteuid() == 0 else None
 
+    rec_path = under_root(render_root, record_path(instance, p["env_dir"]))
+    result["record_path"] = rec_path
     files = [
         (unit_path, unit_text, 0o644, root_uid, 0 if root_uid == 0 else None),
         (env_path, env_text, 0o640, root_uid, gid),
+        (rec_path, render_record(record), 0o644, root_uid, 0 if root_uid == 0 else None),
     ]
+    before_texts = {path: read_text(path) for path, *_ in files}
     diffs = []
     content_changed = False
     attrs_changed = False
     for path, text, mode, uid, fgid in files:
-        before = read_text(path)
+        before = before_texts[path]
         if path == unit_path:
             result["created"] = before is None
         if before != text:
@@ -618,9 +705,14 @@ def main():
 
     # A restart owed by an earlier run that failed before restarting survives in the pending marker, so the
     # running process is never left on an old config because a previous play stopped half-way.
-    pending_path = None if render_root else pending_marker_path(p["env_dir"], name)
+    pending_path = None if render_root else pending_marker(p["env_dir"], name)
     pending_before = bool(pending_path) and os.path.exists(pending_path)
     result["pending_path"] = pending_path
+    rollback_dir = None if render_root else os.path.join(p["env_dir"], ROLLBACK_DIR)
+    result["rollback_dir"] = rollback_dir
+    # What runs now: while a restart is pending, the state saved before that change; else what was on disk.
+    running_text = read_text(os.path.join(rollback_dir, name + RECORD_SUFFIX)) if pending_before else None
+    result["running_record"] = parse_record(running_text if pending_before else before_texts[rec_path])
     result["changed"] = content_changed or attrs_changed
     result["restart_required"] = content_changed or pending_before
     if module._diff:
@@ -628,6 +720,15 @@ def main():
 
     if module.check_mode or not result["changed"]:
         module.exit_json(**result)
+
+    # The previous state (what runs now) is saved once per change, before anything is overwritten; a second run
+    # while the restart is still pending must not replace it with the not-yet-running config.
+    if content_changed and rollback_dir and not pending_before and not result["created"]:
+        try:
+            save_rollback(rollback_dir, name, before_texts, (unit_path, env_path, rec_path), uid=root_uid, gid=gid)
+        except OSError as exc:
+            module.fail_json(msg=f"instance {name}: cannot save the previous state to {rollback_dir}: {exc}",
+                             **result)
 
     if content_changed and pending_path and os.path.isdir(os.path.dirname(pending_path)):
         try:

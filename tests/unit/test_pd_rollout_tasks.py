@@ -1,8 +1,8 @@
 """roles/pd_rollout task files run by ansible-playbook on localhost against the real vllm-router 0.1.17 (IGW) and
 stub vLLM instances: route.yml (drain, colocated fallback, back), wait_idle.yml (drain wait on /metrics, bounded
 with a clear error), ready.yml and smoke.yml (warm-up, P/D through the instance with kv_transfer_params, token
-comparison, KV-transfer counter). switch.yml/restore.yml need systemd and vllm_serve on a real host: the live
-stack run is in docs/upgrades.md.
+comparison, KV-transfer counter), instance.yml's failures before any restart. The restart and restore.yml need
+systemd and vllm_serve on a real host: tests/integration/test_local_stack.py runs them through site.yml.
 """
 
 from __future__ import annotations
@@ -211,16 +211,14 @@ def test_failures_stop_with_a_clear_message(tmp_path, fault):
 
 
 INSTANCE_PLAYBOOK = """
-- name: State and target of the stub instances
+- name: What the stub instances run
   hosts: vllm_hosts
   gather_facts: false
   tasks:
-    - name: Every instance has compatibility key k and a differing target
+    - name: Every instance has compatibility key k
       ansible.builtin.set_fact:
         pd_rollout_state: "{{ dict(pd_instances | map(attribute='name') | zip([{'key': 'k', 'python': '/p',
-                              'venv': '/v', 'vllm': '1', 'nixl': '1'}] * (pd_instances | length))) }}"
-        pd_rollout_target: "{{ dict(pd_instances | map(attribute='name') | zip([{'key': 'k', 'python': '/q',
-                               'venv': '/w', 'vllm': '1', 'nixl': '1', 'differs': true}] * (pd_instances | length))) }}"
+                              'venv': '/v', 'vllm': '1', 'nixl': '1', 'revision': 'r1'}] * (pd_instances | length))) }}"
 
 - name: Register the topology
   hosts: hp
@@ -230,18 +228,23 @@ INSTANCE_PLAYBOOK = """
       ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
       vars: {_pd_rollout_out: []}
 
-- name: Roll the decode instance (no unit file here, so it fails before the drain)
+- name: Change the decode instance (it never goes idle, so the drain fails before any restart)
   hosts: hd
   gather_facts: false
   tasks:
     - name: Roll
       ansible.builtin.include_role: {name: pd_rollout, tasks_from: instance.yml}
-      vars: {_pd_rollout_inst: "{{ pd_instances[0] }}", pd_rollout_state_dir: "{{ out_dir }}/state"}
+      vars:
+        pd_rollout_instance: "{{ pd_instances[0] }}"
+        pd_rollout_target_record: {python: /q/bin/python, venv: /q, vllm_version: "1", nixl_version: "1",
+                                   compat_key: k, model_revision: r2}
+        pd_rollout_drain_timeout_s: 2
 """
 
 
 def test_instance_failure_before_the_restart_puts_it_back_and_says_nothing_restarted(tmp_path):
     p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
+    d0.running = 3
     with router("--enable-igw") as base:
         p = run(tmp_path, inventory(tmp_path, p0, p1, d0, base), INSTANCE_PLAYBOOK)
         status, text = call("GET", base + "/workers")
@@ -253,89 +256,14 @@ def test_instance_failure_before_the_restart_puts_it_back_and_says_nothing_resta
     assert reg[f"http://127.0.0.1:{d0.port}"] == "decode" and len(reg) == 3
 
 
-VLLM_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
-
-TARGET_PLAYBOOK = """
-- name: Target of the local prefill host, rendered and checked by the target vLLM
-  hosts: pd-prefill-0
-  gather_facts: false
-  tasks:
-    - name: Target
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: target.yml}
-    - name: Write it out
-      ansible.builtin.copy:
-        content: "{{ pd_rollout_target | to_json }}"
-        dest: "{{ out_dir }}/target.json"
-        mode: "0644"
-      delegate_to: localhost
-"""
-
-
-RENDER_LIVE = """
-- name: Render the 'live' units with vllm_serve's own render (as a deploy would write them)
-  hosts: pd-prefill-0
-  gather_facts: false
-  tasks:
-    - name: Render
-      ansible.builtin.include_role: {name: vllm_serve, tasks_from: render.yml}
-      vars:
-        vllm_serve_python: "{{ pd_rollout_target_python['prefill-0'] }}"
-        vllm_serve_render_dir: "{{ out_dir }}/live"
-        vllm_serve_validate_flags: false
-"""
-
-
-def target_setup(tmp_path, **over):
-    """inventory/local's recipe and pd-prefill-0, run on localhost, units and env files under tmp_path: prefill-0
-    as vllm_serve renders it for the target python, prefill-1 for another venv."""
-    from conftest import load_inventory
-
-    if not VLLM_PY.exists():
-        pytest.fail(f"{VLLM_PY} missing: run scripts/bootstrap --local")
-    hv = load_inventory("local")["hosts"]["pd-prefill-0"]
-    units, envs, state = tmp_path / "units", tmp_path / "env", tmp_path / "state"
-    host = {**{k: v for k, v in hv.items() if k != "ansible_ssh_private_key_file"},
-            "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-            "vllm_serve_unit_dir": str(units), "vllm_serve_env_dir": str(envs), "vllm_serve_state_root": str(state),
-            "pd_rollout_target_python": {i["name"]: str(VLLM_PY) for i in hv["pd_instances"]},
-            "out_dir": str(tmp_path), **over}
-    host.pop("ansible_user", None)
-    host.pop("ansible_ssh_common_args", None)
-    inv = tmp_path / "inv.yml"
-    inv.write_text(yaml.safe_dump({"all": {"children": {"vllm_hosts": {"hosts": {"pd-prefill-0": host}}}}}))
-    p = run(tmp_path, inv, RENDER_LIVE)
-    assert p.returncode == 0, p.stdout[-3000:]
-    live = tmp_path / "live" / "pd-prefill-0"
-    (live / str(units).lstrip("/")).rename(units)
-    (live / str(envs).lstrip("/")).rename(envs)
-    unit1 = units / "vllm-prefill-1.service"
-    unit1.write_text(unit1.read_text().replace(str(VLLM_PY), "/opt/vllm/venvs/old/bin/python"))
-    return inv
-
-
-def test_target_renders_with_the_target_vllm_and_finds_what_differs(tmp_path):
-    inv = target_setup(tmp_path)
-    p = run(tmp_path, inv, TARGET_PLAYBOOK)
-    assert p.returncode == 0, p.stdout[-4000:]
-    t = json.loads((tmp_path / "target.json").read_text())
-    assert t["prefill-0"]["differs"] in (False, "False")      # unit and env byte-identical: skipped
-    assert t["prefill-1"]["differs"] in (True, "True")        # another venv: rolled
-    assert t["prefill-0"]["vllm"] == "0.32.0" and t["prefill-0"]["nixl"] == "1.5.1"
-    assert t["prefill-0"]["key"].startswith("vllm=0.32.0;nixl=1.5.1;flags=")
-    assert t["prefill-0"]["key"] == t["prefill-1"]["key"]
-    assert t["prefill-0"]["venv"] == str(VLLM_PY.parent.parent)
-
-
-def test_target_refuses_another_nixl_and_a_flag_the_target_vllm_lacks(tmp_path):
-    inv = target_setup(tmp_path, pd_nixl_version="9.9.9")
-    p = run(tmp_path, inv, TARGET_PLAYBOOK)
+def test_instance_with_another_nixl_is_refused_before_the_drain(tmp_path):
+    p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
+    with router("--enable-igw") as base:
+        p = run(tmp_path, inventory(tmp_path, p0, p1, d0, base), INSTANCE_PLAYBOOK,
+                extra=["-e", "pd_nixl_version=9.9.9"])
+        status, text = call("GET", base + "/workers")
     out = " ".join(p.stdout.split())
     assert p.returncode != 0 and "the inventory pins pd_nixl_version 9.9.9" in out, p.stdout[-3000:]
-    assert "P and D must run the same NIXL version" in out
-    tmp_path = tmp_path / "flags"
-    tmp_path.mkdir()
-    from conftest import load_inventory
-    flags = {**load_inventory("local")["group_vars"]["pd_vllm_flags_common"], "no-such-vllm-flag": 1}
-    inv = target_setup(tmp_path, pd_vllm_flags_common=flags)
-    p = run(tmp_path, inv, TARGET_PLAYBOOK)
-    assert p.returncode != 0 and "no-such-vllm-flag" in p.stdout, p.stdout[-3000:]
+    assert "Nothing was drained or restarted" in out
+    reg = {w["url"]: w["worker_type"] for w in json.loads(text)["workers"]}
+    assert reg[f"http://127.0.0.1:{d0.port}"] == "decode" and len(reg) == 3  # never taken out

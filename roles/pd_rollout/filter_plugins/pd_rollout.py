@@ -15,21 +15,13 @@ are left, whole requests go to the remaining prefill instances as regular (coloc
 ``pd_rollout_queue(metrics_text)``: ``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` summed over
 every label set of a vLLM ``/metrics`` page; None when neither metric is there.
 
-``pd_rollout_unit_exec(unit_text)``: ``{python, argv}`` of a vllm-<name>.service ExecStart= line: the venv's
-interpreter and the arguments after the entry point (``<venv>/bin/vllm serve``, ``<python> -m pd_vllm_cli serve``
-or, in units rendered before those, ``<python> -m vllm.entrypoints.openai.api_server``).
-
-``pd_rollout_compat_key(versions, argv, flags)``: the compatibility key of an instance: vLLM and NIXL
-versions and the values of the NIXL-relevant ``flags`` in its argv.
+The compatibility keys come from the instances' records (``compat_key``, computed once by
+``module_utils/pd_recipe.py`` when ``vllm_instance`` renders the unit; read back by ``pd_instance_state``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import posixpath
 import re
-import shlex
 
 POOLS = ("prefill", "decode")
 
@@ -172,81 +164,6 @@ def pd_rollout_partner(topology, keys, name, key):
     return ""
 
 
-def pd_rollout_unit_exec(unit_text):
-    lines = (unit_text or "").splitlines()
-    for i, line in enumerate(lines):
-        if not line.startswith("ExecStart="):
-            continue
-        cmd, j = line[len("ExecStart="):], i
-        while cmd.endswith("\\") and j + 1 < len(lines):  # systemd line continuation
-            j += 1
-            cmd = cmd[:-1] + " " + lines[j].strip()
-        words = shlex.split(cmd.replace("%%", "%"))
-        if not words:
-            break
-        program = words[0].lstrip("-@+!:")
-        python, argv = program, words[1:]
-        if posixpath.basename(program) == "vllm" and argv[:1] == ["serve"]:  # the console script beside python
-            python, argv = posixpath.join(posixpath.dirname(program), "python"), argv[1:]
-        elif argv[:3] == ["-m", "pd_vllm_cli", "serve"]:
-            argv = argv[3:]
-        elif argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:  # units rendered before `vllm serve`
-            argv = argv[2:]
-        return {"python": python, "argv": argv}
-    _fail("pd_rollout: the unit file has no ExecStart= line (is it a vllm_serve unit?)")
-    return None
-
-
-# JSON fields of compat flags that differ between a prefill and a decode instance by design and are not in vLLM's
-# NIXL compatibility hash (nixl/metadata.py): the kv role and per-instance addresses, and the number of speculative
-# tokens (the recipe runs MTP 1 on prefill, MTP 3 on decode; the hash takes the method and draft model only).
-# Without dropping them no prefill instance would ever have the key of a decode instance.
-_NOT_HASHED = {
-    "kv-transfer-config": ("kv_role", "engine_id", "kv_rank", "kv_ip", "kv_port", "kv_parallel_size"),
-    "speculative-config": ("num_speculative_tokens",),
-}
-
-
-def _hashed_part(flag, value):
-    try:
-        cfg = json.loads(value)
-    except (TypeError, ValueError):
-        return value
-    if not isinstance(cfg, dict):
-        return value
-    return {k: v for k, v in cfg.items() if k not in _NOT_HASHED[flag]}
-
-
-def _flag_values(argv, flags):
-    vals = {}
-    for flag in flags:
-        opt = "--" + flag
-        for i, a in enumerate(argv):
-            if a == opt:
-                nxt = argv[i + 1] if i + 1 < len(argv) else ""
-                vals[flag] = True if nxt.startswith("--") or nxt == "" else nxt
-            elif a.startswith(opt + "="):
-                vals[flag] = a.split("=", 1)[1]
-    # `vllm serve <model>`: the positional model is the model (it wins over --model in ServeSubcommand.cmd()), so
-    # a unit of that form and one of the older `--model <path>` form have the same key when they serve the same.
-    if "model" in flags and argv and not argv[0].startswith("-"):
-        vals["model"] = argv[0]
-    for flag in _NOT_HASHED:
-        if flag in vals:
-            vals[flag] = _hashed_part(flag, vals[flag])
-    return vals
-
-
-def pd_rollout_compat_key(versions, argv, flags):
-    """'vllm=<v>;nixl=<v>;flags=<sha256[:12]>'; versions = {vllm, nixl}."""
-    versions = versions or {}
-    if not versions.get("vllm"):
-        _fail(f"pd_rollout: no vLLM version in {versions!r}")
-    blob = json.dumps(_flag_values(list(argv or []), list(flags or [])), sort_keys=True)
-    digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
-    return f"vllm={versions['vllm']};nixl={versions.get('nixl') or 'none'};flags={digest}"
-
-
 class FilterModule:
     """pd_rollout filters."""
 
@@ -260,6 +177,4 @@ class FilterModule:
             "pd_rollout_metric_sum": pd_rollout_metric_sum,
             "pd_rollout_partner": pd_rollout_partner,
             "pd_rollout_queue": pd_rollout_queue,
-            "pd_rollout_unit_exec": pd_rollout_unit_exec,
-            "pd_rollout_compat_key": pd_rollout_compat_key,
         }
