@@ -769,7 +769,7 @@ class RsyncFetcher:
     def _argv(self, extra):
         argv = ["rsync", "--stats", "--no-motd"]
         if self.host:
-            ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
+            ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes"]
             if self.port:
                 ssh += ["-p", str(self.port)]
             if self.ssh_key:
