@@ -22,7 +22,7 @@ Library use (a pytest integration test around a playbook run):
     from pd_load import LoadGenerator
     gen = LoadGenerator(url="http://10.237.0.13:8000", model="tiny-pd", concurrency=2)
     gen.start()                 # returns at once; load runs in background threads
-    run_the_rolling_upgrade()
+    run_a_change_through_site_yml()
     rep = gen.stop()            # stop sending, wait for in-flight (grace), final report dict
     assert rep["failed"] == 0 and rep["completed"] > 0, rep["failures"]
 

@@ -2,7 +2,8 @@
 
 Runs in order (pytest -x): bring-up + verify report, Prometheus targets, a second site.yml run with
 changed=0, a kill -9 of the decode engine that systemd must recover from, and (marker `upgrade`, only in
-`scripts/test upgrade`) a rolling flag change of every instance under load with 0 failed requests. Every address,
+`scripts/test upgrade`) the one change path: a flag change, a revision switch and a rollback, each applied by
+plain site.yml under load with 0 failed requests. Every address,
 port and instance name comes from the inventory (ansible-inventory), none is written here.
 
 Figures are printed as one JSON line per test and written to reports/ci/<test>.json.
@@ -13,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -330,17 +333,88 @@ def test_decode_kill_under_load_fails_no_request(inventory):
     assert pd_again_s is not None, "P/D did not resume within 600 s of the kill"
 
 
-@pytest.mark.upgrade
-def test_rolling_flag_change_under_load_drops_no_request(inventory):
-    """playbooks/rolling_upgrade.yml (the path a version change takes, minus the pip install) under steady load.
+RUNNING_PY = r"""
+import glob, json, os, subprocess
+# What each vLLM instance of this host runs: the model revision on its main process's command line (ground
+# truth), and what its records say (the record, or the saved previous one while a restart is pending).
+out = {}
+for path in glob.glob("/etc/vllm/*.record.json"):
+    name = os.path.basename(path)[: -len(".record.json")]
+    pending = os.path.exists(f"/etc/vllm/.{name}.restart-pending")
+    try:
+        rec = json.load(open(f"/etc/vllm/rollback/{name}.record.json" if pending else path))
+    except (OSError, ValueError):
+        rec = {}
+    pid = subprocess.run(["systemctl", "show", "-p", "MainPID", "--value", f"vllm-{name}.service"],
+                         capture_output=True, text=True).stdout.strip()
+    try:
+        argv = open(f"/proc/{pid}/cmdline").read().split("\0") if pid not in ("", "0") else []
+    except OSError:
+        argv = []
+    model = next((a for a in argv if "/revisions/" in a), None)
+    out[name] = {"pid": pid, "process_revision": model.rstrip("/").rsplit("/", 1)[-1] if model else None,
+                 "record_revision": rec.get("model_revision"), "pending": pending}
+print(json.dumps(out))
+"""
 
-    A flag outside NIXL's compatibility hash changes for every instance, so all three are drained, restarted,
-    checked and put back one at a time while the decode restart is served colocated by the prefill pool.
-    """
+
+def running_revisions(inventory: dict) -> dict:
+    """{instance: {pid, process_revision, record_revision, pending}} over every vLLM host."""
+    out = {}
+    for host in sorted({i["host"] for i in inventory["instances"]}):
+        text = host_cmd(host, f"python3 -c {shlex.quote(RUNNING_PY)}", timeout=60, check=False)
+        try:
+            out.update(json.loads(text.strip().splitlines()[-1]))
+        except (ValueError, IndexError):
+            pass  # a missed sample (ssh under load); the next one counts
+    return out
+
+
+def router_registries(inventory: dict) -> list[list[dict]]:
     router = inventory["router_host"]
-    # inventory/local keeps the router in IGW mode (pd_router_igw), as a cluster that rolls does; the playbook's
-    # first play refuses a router that cannot drain.
-    assert inventory["hostvars"][router].get("pd_router_igw") is True, "inventory/local must set pd_router_igw"
+    regs = []
+    for unit in inventory["hostvars"][router]["pd_router_units"]:
+        if unit["mode"] != "pd":
+            continue
+        text = host_cmd(router, "/opt/vllm-router/current/bin/python /opt/vllm-router/bin/pd-router-workers"
+                                f" --router http://127.0.0.1:{unit['port']} list", check=False)
+        try:
+            regs.append(json.loads(text)["workers"])
+        except (ValueError, KeyError):
+            pass
+    return regs
+
+
+class PairWatch(threading.Thread):
+    """While a change runs: every few seconds, which prefill and decode workers each P/D router pairs and which
+    model revision each of those processes runs. A P/D pair across two revisions is a violation."""
+
+    def __init__(self, inventory: dict):
+        super().__init__(daemon=True)
+        self.inventory, self.stop_event = inventory, threading.Event()
+        self.samples, self.violations = 0, []
+        self.url_to_name = {f"http://{i['address']}:{i['http_port']}": i["name"] for i in inventory["instances"]}
+
+    def run(self):
+        while not self.stop_event.is_set():
+            revs = running_revisions(self.inventory)
+            for reg in router_registries(self.inventory):
+                paired = {self.url_to_name.get(w["url"], w["url"]): w["worker_type"] for w in reg
+                          if w["worker_type"] in ("prefill", "decode")}
+                seen = {revs.get(n, {}).get("process_revision") for n in paired}
+                if len(seen - {None}) > 1 and {"prefill", "decode"} <= set(paired.values()):
+                    self.violations.append({"paired": paired, "revisions": revs})
+            self.samples += 1
+            self.stop_event.wait(4)
+
+    def stop(self) -> dict:
+        self.stop_event.set()
+        self.join(timeout=120)
+        return {"samples": self.samples, "violations": self.violations[:3]}
+
+
+def change_through_site(inventory: dict, name: str, extra: dict | None) -> dict:
+    """site.yml (verify skipped) with `extra` under steady load through the front door; figures of the run."""
     deadline = time.monotonic() + 300
     while True:  # the load starts on a stack that routes (the previous test restarted decode)
         try:
@@ -348,43 +422,83 @@ def test_rolling_flag_change_under_load_drops_no_request(inventory):
                 break
         except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError):
             pass
-        assert time.monotonic() < deadline, "the router did not route within 300 s before the rollout"
+        assert time.monotonic() < deadline, f"{name}: the router did not route within 300 s before the change"
         time.sleep(3)
-    first_vllm = next(i["host"] for i in inventory["instances"])
-    flags = dict(inventory["hostvars"][first_vllm]["pd_vllm_flags_common"])
-    flags["max-num-seqs"] = 8 if flags.get("max-num-seqs") != 8 else 16
-    before = set(REPORTS.parent.glob("rolling_upgrade-*.json"))
+    before_reports = set(REPORTS.parent.glob("change-*.json"))
+    revs_before = running_revisions(inventory)
     gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], concurrency=2, max_tokens=8,
                         prompt_words=32, timeout=300, api_key=client_api_key())
+    watch = PairWatch(inventory)
     gen.start()
+    watch.start()
     t1 = time.monotonic()
     try:
-        proc = run([str(VENV_BIN / "ansible-playbook"), "-i", INVENTORY, "playbooks/rolling_upgrade.yml",
-                    "-e", json.dumps({"pd_vllm_flags_common": flags})], timeout=3000, check=False)
+        args = [str(VENV_BIN / "ansible-playbook"), "-i", INVENTORY, "site.yml", "--skip-tags", "verify"]
+        if extra:
+            args += ["-e", json.dumps(extra)]
+        proc = run(args, timeout=3000, check=False)
     finally:
         load = gen.stop()
-    upgrade_s = round(time.monotonic() - t1, 1)
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    (REPORTS / "rolling-upgrade.log").write_text(proc.stdout + proc.stderr)  # profile_tasks timings for review
-    new_reports = sorted(set(REPORTS.parent.glob("rolling_upgrade-*.json")) - before)
+        pairs = watch.stop()
+    took = round(time.monotonic() - t1, 1)
+    (REPORTS / f"{name}.log").write_text(proc.stdout + proc.stderr)  # profile_tasks timings for review
+    new_reports = sorted(set(REPORTS.parent.glob("change-*.json")) - before_reports)
     instances = json.loads(new_reports[-1].read_text())["instances"] if new_reports else []
-    record("rolling-upgrade", {
-        "rolling_upgrade_s": upgrade_s,
-        "flag": {"max-num-seqs": flags["max-num-seqs"]},
+    revs_after = running_revisions(inventory)
+    figures = {
+        "site_s": took, "extra": extra,
         "load": {k: load.get(k) for k in ("sent", "completed", "failed", "failures", "error_samples",
                                           "latency_s", "longest_completion_gap_s")},
-        "instances": instances})
+        "pair_watch": pairs, "revisions_before": revs_before, "revisions_after": revs_after,
+        "instances": instances}
+    record(name, figures)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert sorted(i["instance"] for i in instances) == sorted(i["name"] for i in inventory["instances"]), instances
-    decode = next(i for i in instances if i["pool"] == "decode")
-    assert decode["served_meanwhile"] == "colocated", decode
-    # Prefill instances roll while the other prefill + decode pair serves P/D; P/D resumes at the end.
-    assert all(i["served_meanwhile"] == "pd" for i in instances if i["pool"] == "prefill"), instances
-    for unit in inventory["hostvars"][router]["pd_router_units"]:
-        if unit["mode"] != "pd":
-            continue
-        registry = json.loads(host_cmd(router, "/opt/vllm-router/current/bin/python "
-                                               "/opt/vllm-router/bin/pd-router-workers"
-                                               f" --router http://127.0.0.1:{unit['port']} list"))
-        assert sorted({w["worker_type"] for w in registry["workers"]}) == ["decode", "prefill"], (unit, registry)
     assert load["completed"] > 0 and load["failed"] == 0, (load["failures"], load["error_samples"])
+    assert pairs["samples"] > 0 and not pairs["violations"], pairs
+    # records and processes agree, and nothing is left pending
+    for name_, r in revs_after.items():
+        assert r["process_revision"] == r["record_revision"] and not r["pending"], (name_, r)
+    router = inventory["router_host"]
+    for reg in router_registries(inventory):
+        assert sorted({w["worker_type"] for w in reg}) == ["decode", "prefill"], (router, reg)
+    return figures
+
+
+def _decode_only_flags(inventory: dict) -> dict:
+    first_vllm = inventory["instances"][0]["host"]
+    pool = json.loads(json.dumps(inventory["hostvars"][first_vllm]["pd_vllm_flags_pool"]))
+    pool["decode"]["max-num-seqs"] = 8 if pool["decode"].get("max-num-seqs") != 8 else 16
+    return pool
+
+
+@pytest.mark.upgrade
+def test_change_path_flag_revision_and_rollback_through_site_yml_drop_no_request(inventory):
+    """The one change path (issue #15): plain site.yml applies (a) a decode-only flag change, (b) a switch to a
+    second revision of the tiny model, (c) the rollback to the inventory as it was, each under steady load with 0
+    failed requests; only affected instances restart; P/D pairs never span two revisions; P/D at the end."""
+    pool = _decode_only_flags(inventory)
+    r2_dir = ROOT / ".cache" / "model-src"
+    r2 = (r2_dir / "tiny-pd-r2.REVISION").read_text().strip()
+    r1 = (r2_dir / "tiny-pd.REVISION").read_text().strip()
+    names = sorted(i["name"] for i in inventory["instances"])
+    decode = [i["name"] for i in inventory["instances"] if i["pool"] == "decode"]
+
+    # (a) a flag of the decode pool: only the decode instance restarts (served colocated meanwhile)
+    a = change_through_site(inventory, "change-flag", {"pd_vllm_flags_pool": pool})
+    assert sorted(i["instance"] for i in a["instances"]) == decode, a["instances"]
+    assert all(i["served_meanwhile"] == "colocated" for i in a["instances"]), a["instances"]
+    for n in names:
+        if n not in decode:
+            assert a["revisions_after"][n]["pid"] == a["revisions_before"][n]["pid"], f"{n} restarted"
+
+    # (b) a second revision: every instance restarts through the drain, prefill first
+    source = {"type": "path", "path": "/srv/model-src/tiny-pd-r2", "revision": r2}
+    b = change_through_site(inventory, "change-revision", {"pd_vllm_flags_pool": pool, "pd_model_source": source})
+    assert [i["instance"] for i in b["instances"]][-1] == decode[0] and sorted(
+        i["instance"] for i in b["instances"]) == names, b["instances"]
+    assert {r["process_revision"] for r in b["revisions_after"].values()} == {r2}, b["revisions_after"]
+
+    # (c) rollback: the inventory as it was (revision r1, still on disk, and the old decode flags)
+    c = change_through_site(inventory, "change-rollback", None)
+    assert sorted(i["instance"] for i in c["instances"]) == names, c["instances"]
+    assert {r["process_revision"] for r in c["revisions_after"].values()} == {r1}, c["revisions_after"]

@@ -116,7 +116,7 @@ def test_igw_argv_is_accepted_by_the_real_router_and_registry_is_the_topology(in
     assert {r["model_id"] for r in reg} == {"served"}
     with pytest.raises(Exception, match="pd_router_model_id"):
         pdr.pd_router_registry(workers, "")
-    # Off by default (its /v1/models is not OpenAI-shaped); rolling_upgrade.yml asks for it.
+    # Off by default (its /v1/models is not OpenAI-shaped); site.yml's drain-first change path needs it (both inventories set it).
     assert DEFAULTS["pd_router_igw"] is False
 
 
