@@ -7,12 +7,14 @@ Steps (each returns a JSON-able dict with ``ok`` and details):
                that fails is retried once after 5 s (first NIXL handshake under load) and reported
   kv_transfer  the same greedy prompts via the router (P/D) and directly to one instance (colocated):
                identical token ids; decode /metrics deltas show KV transferred, not recomputed
-  accuracy     an eval set (jsonl: prompt/question + answer) scored against a threshold
+  accuracy     not run here: roles/pd_verify runs lm-evaluation-harness on the control node (its module
+               pd_verify_lmeval) and merges that step into this report with --merge (below)
   sla          a streaming benchmark through the router: mean TTFT / TPOT and goodput vs the SLA
   prometheus   per-pool TTFT / TPOT read back from Prometheus (informational unless required)
 
 Usage: pd_verify.py --config cfg.json --json out.json --markdown out.md
-The exit code is 0 when every enforced step passed, 1 otherwise, 2 on bad config.
+       pd_verify.py --merge report.json --step-result accuracy=acc.json --json out.json --markdown out.md
+The exit code is 0 when every enforced step passed, 1 otherwise, 2 on bad config or input.
 """
 
 from __future__ import annotations
@@ -441,92 +443,6 @@ def step_kv_transfer(cfg, prompts):
             "totals": tot, "transferred_fraction": frac, "errors": errors}
 
 
-def normalize(s):
-    return re.sub(r"\s+", " ", re.sub(r"[^0-9a-z\s.-]", " ", str(s).lower())).strip()
-
-
-def score_answer(output, answers, mode="contains"):
-    """True when the model output matches one of the accepted answers (normalized)."""
-    out = normalize(output)
-    for ans in answers:
-        a = normalize(ans)
-        if not a:
-            continue
-        if mode == "exact" and out == a:
-            return True
-        if mode == "prefix" and out.startswith(a):
-            return True
-        if mode == "contains" and re.search(r"(^|[^0-9a-z])" + re.escape(a) + r"($|[^0-9a-z])", out):
-            return True
-    return False
-
-
-def load_eval(path=None, inline=None):
-    items = []
-    if inline:
-        items = list(inline)
-    elif path:
-        with open(path, encoding="utf-8") as f:
-            for n, raw in enumerate(f, 1):
-                line = raw.strip()
-                if not line:
-                    continue
-                try:
-                    items.append(json.loads(line))
-                except ValueError as e:
-                    raise ValueError(f"{path}:{n}: not JSON: {e}") from e
-    norm = []
-    for n, it in enumerate(items, 1):
-        prompt = it.get("prompt") or it.get("question")
-        ans = it.get("answers") or it.get("answer") or it.get("expected")
-        if prompt is None or ans is None:
-            raise ValueError(f"eval item {n}: needs 'prompt' (or 'question') and 'answer' (or 'answers')")
-        norm.append({"id": it.get("id", n), "prompt": prompt, "answers": ans if isinstance(ans, list) else [ans],
-                     "max_tokens": it.get("max_tokens"), "chat": bool(it.get("chat", False))})
-    return norm
-
-
-def step_accuracy(cfg):
-    a = cfg["accuracy"]
-    items = load_eval(a.get("eval_file"), a.get("inline"))
-    if not items:
-        return {"ok": False, "errors": ["accuracy: the eval set is empty"]}
-    available = len(items)
-    limit = int(a.get("max_items") or 0)
-    if 0 < limit < available:  # evenly spaced, so every kind of item in an ordered set stays represented
-        items = [items[i * available // limit] for i in range(limit)]
-    results, errors = [], []
-
-    def run(it):
-        max_tokens = int(it["max_tokens"] or a.get("max_tokens", 32))
-        try:
-            if it["chat"] or a.get("chat"):
-                body = {"model": cfg["model"], "messages": [{"role": "user", "content": it["prompt"]}],
-                        "max_tokens": max_tokens, "temperature": 0.0}
-                body.update(a.get("chat_extra") or {})
-                r = http_post_json(cfg["router_url"] + "/v1/chat/completions", body,
-                                   timeout=cfg.get("request_timeout_s", 600), api_key=cfg.get("api_key"))
-                out = ((r.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
-            else:
-                r = _completion(cfg["router_url"], cfg["model"], it["prompt"], max_tokens, cfg)
-                out = (r.get("choices") or [{}])[0].get("text", "")
-            return {"id": it["id"], "correct": score_answer(out, it["answers"], a.get("match", "contains")),
-                    "output": out[:200], "expected": it["answers"]}
-        except HttpError as e:
-            return {"id": it["id"], "correct": False, "error": str(e)}
-
-    with ThreadPoolExecutor(max_workers=max(1, int(a.get("concurrency", 4)))) as ex:
-        results = list(ex.map(run, items))
-    errors += [f"eval item {r['id']}: {r['error']}" for r in results if r.get("error")]
-    score = sum(1 for r in results if r["correct"]) / len(results)
-    passed = score >= float(a["min_score"])
-    if not passed:
-        errors.append(f"accuracy {score:.3f} below pd_verify_accuracy_min {a['min_score']}")
-    return {"ok": passed and not any(r.get("error") for r in results), "score": round(score, 4),
-            "min_score": a["min_score"], "n": len(results), "n_available": available, "results": results,
-            "reference_scores": a.get("reference_scores") or {}, "errors": errors}
-
-
 def summarize_bench(records, duration_s, ttft_slo_ms, tpot_slo_ms):
     """vllm bench serve's definitions: TTFT; TPOT = (e2e - ttft) / (output_tokens - 1); goodput = req/s meeting both."""
     ok = [r for r in records if "error" not in r]
@@ -662,7 +578,9 @@ def run_all(cfg, steps=STEPS, sleep=time.sleep):
             elif step == "prometheus":
                 res = step_prometheus(cfg)
             elif step == "accuracy":
-                res = step_accuracy(cfg)
+                res = {"ok": False, "errors": [
+                    "accuracy: run by roles/pd_verify with lm-evaluation-harness on the control node, not by this "
+                    "script; leave it out of the config's steps and merge its result with --merge"]}
             else:
                 res = {"warmup": step_warmup, "kv_transfer": step_kv_transfer, "sla": step_sla}[step](cfg, prompts)
         except (HttpError, ValueError, KeyError, OSError) as e:
@@ -704,9 +622,16 @@ def render_markdown(rep):
                   f"{kv.get('transferred_fraction')}"]
     acc = st.get("accuracy", {})
     if "score" in acc:
-        lines += ["", "## Accuracy", "", f"- score {acc['score']} on {acc['n']} items (min {acc['min_score']})"]
-        for k, v in (acc.get("reference_scores") or {}).items():
-            lines.append(f"- reference {k}: {v}")
+        lines += ["", "## Accuracy (lm-evaluation-harness)", "",
+                  f"- task `{acc.get('task')}`, {acc.get('metric')} = **{acc['score']}** on {acc.get('n')} of "
+                  f"{acc.get('n_available')} items (min {acc['min_score']}), lm_eval {acc.get('lm_eval_version')}, "
+                  f"{acc.get('seconds')} s"]
+        lines += [f"- wrong: item {f.get('id')}: {json.dumps(f.get('output'))}, "
+                  f"expected {json.dumps(f.get('expected'))}" for f in (acc.get("failed_items") or [])[:5]]
+        refs = acc.get("reference_scores") or {}
+        if refs:
+            lines.append("- the recipe's reference scores (full benchmarks, not run by verify: docs/verify.md): "
+                         + ", ".join(f"{k} {v}" for k, v in refs.items()))
     sla = st.get("sla", {})
     if "result" in sla:
         r = sla["result"]
@@ -726,20 +651,61 @@ def render_markdown(rep):
     return "\n".join(lines) + "\n"
 
 
+def merge_steps(report, step_results):
+    """The report with steps run elsewhere (``{name: result}``, e.g. accuracy from the control node) put in their
+    place, in STEPS order; ok and failures recomputed."""
+    for name, res in step_results.items():
+        if name not in STEPS:
+            raise ValueError(f"--step-result {name}: unknown step (known: {', '.join(STEPS)})")
+        if not isinstance(res, dict) or not isinstance(res.get("ok"), bool):
+            raise ValueError(f"--step-result {name}: not a step result (a JSON object with a boolean 'ok')")
+    steps = dict(report.get("steps") or {})
+    steps.update(step_results)
+    ordered = {n: steps[n] for n in STEPS if n in steps}
+    ordered.update({n: s for n, s in steps.items() if n not in ordered})
+    merged = dict(report, steps=ordered)
+    if step_results:
+        merged["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    merged["ok"] = all(s["ok"] for s in ordered.values())
+    merged["failures"] = [e for s in ordered.values() for e in s.get("errors", [])]
+    return merged
+
+
+def _read_json(path, what):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{what} {path} is not JSON: {e}") from e
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="JSON config (written by roles/pd_verify)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="JSON config (written by roles/pd_verify): run the checks")
+    src.add_argument("--merge", metavar="REPORT", help="a JSON report of this script: merge --step-result into it")
+    ap.add_argument("--step-result", action="append", default=[], metavar="STEP=FILE",
+                    help="with --merge: a step's result (JSON) run elsewhere, e.g. accuracy=accuracy.json")
     ap.add_argument("--json", required=True, help="where to write the JSON report")
     ap.add_argument("--markdown", help="where to write the Markdown report")
     ap.add_argument("--steps", help="comma-separated subset of " + ",".join(STEPS))
     a = ap.parse_args(argv)
     try:
-        with open(a.config, encoding="utf-8") as f:
-            cfg = json.load(f)
-        steps = tuple(a.steps.split(",")) if a.steps else STEPS
-        rep = run_all(cfg, steps)
+        if a.merge:
+            results = {}
+            for spec in a.step_result:
+                name, sep, path = spec.partition("=")
+                if not sep or not path:
+                    raise ValueError(f"--step-result {spec!r}: give STEP=FILE, e.g. accuracy=accuracy.json")
+                results[name] = _read_json(path, f"--step-result {name}")
+            rep = merge_steps(_read_json(a.merge, "--merge report"), results)
+        else:
+            with open(a.config, encoding="utf-8") as f:
+                cfg = json.load(f)
+            steps = tuple(a.steps.split(",")) if a.steps else STEPS
+            rep = run_all(cfg, steps)
     except (OSError, ValueError, KeyError) as e:
-        print(f"pd_verify: bad config: {e}", file=sys.stderr)
+        print(f"pd_verify: bad {'input' if a.merge else 'config'}: {e}", file=sys.stderr)
         return 2
     with open(a.json, "w", encoding="utf-8") as f:
         json.dump(rep, f, indent=2, sort_keys=True)
