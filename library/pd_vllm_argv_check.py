@@ -46,6 +46,14 @@ options:
     description: Seconds the parser process may take (importing vLLM and torch is slow on a loaded control node).
     type: int
     default: 600
+  cache:
+    description:
+      - JSON file on the control node remembering argv sets this parser accepted with no problem, keyed by the
+        interpreter, a fingerprint of its venv (any pip change misses), O(vllm_version) and every instance's argv
+        (C(module_utils/pd_parse_cache.py)). A hit skips the parser run (about a minute of importing vLLM on a
+        loaded node, on every site.yml run); a set with any problem is never recorded, so it is parsed every time.
+      - Unset (the default) means no cache. Not written in check mode.
+    type: path
 attributes:
   check_mode:
     support: full
@@ -77,17 +85,23 @@ instances:
   sample: 3
 vllm_version:
   description: The vLLM release whose parser checked the argvs.
-  returned: when the parser ran
+  returned: when the parser ran or the cache answered
   type: str
   sample: 0.32.0
+cached:
+  description: True when O(cache) held this exact argv set as accepted by this venv (the parser did not run).
+  returned: always
+  type: bool
 """
 
 import inspect  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 import json  # noqa: E402
 import os  # noqa: E402
+import time  # noqa: E402
 
 from ansible.module_utils import pd_vllm_argcheck  # noqa: E402
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.pd_parse_cache import cache_key, read_cache, write_cache  # noqa: E402
 from ansible.module_utils.pd_recipe import RECIPE_KEYS, RecipeError, build_argv  # noqa: E402
 
 VENV_FIX = (
@@ -152,6 +166,7 @@ def main():
             python=dict(type="path", required=True),
             vllm_version=dict(type="str"),
             timeout=dict(type="int", default=600),
+            cache=dict(type="path"),
         ),
         supports_check_mode=True,
     )
@@ -164,6 +179,11 @@ def main():
             f"{VENV_FIX.format(version=version)}"
         )
     items, problems = collect_argvs(p["hosts"], p["recipe"])
+    key = cache_key(p["python"], [p["vllm_version"], items]) if p["cache"] and items and not problems else None
+    hit = read_cache(p["cache"]).get(key) if key else None
+    if hit:
+        module.exit_json(changed=False, problems=[], instances=len(items), vllm_version=hit.get("version"),
+                         cached=True)
     report = run_parser(module, p["python"], items, p["vllm_version"], p["timeout"]) if items else {"ok": True}
     if not report.get("ok"):
         if report.get("stage") == "version":
@@ -187,7 +207,12 @@ def main():
             instances=len(items),
             vllm_version=report.get("version"),
         )
-    module.exit_json(changed=False, problems=[], instances=len(items), vllm_version=report.get("version"))
+    if key and not module.check_mode:
+        entries = read_cache(p["cache"])
+        entries[key] = {"version": report.get("version"), "instances": len(items), "at": int(time.time())}
+        write_cache(p["cache"], entries)
+    module.exit_json(changed=False, problems=[], instances=len(items), vllm_version=report.get("version"),
+                     cached=False)
 
 
 if __name__ == "__main__":

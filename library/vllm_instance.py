@@ -251,13 +251,13 @@ rollback_dir:
 """
 
 import grp  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.pd_parse_cache import cache_key, read_cache, write_cache  # noqa: E402
 from ansible.module_utils.pd_recipe import (  # noqa: E402
     CLI_LAUNCHER_MODULE,
     CONSOLE_SCRIPT_DISTRIBUTION,
@@ -439,40 +439,8 @@ def validate_with_vllm(module, python, argv, name, timeout=300, *, command=None)
     return False, {}  # not reached
 
 
-VALIDATE_CACHE_MAX = 256
-
-
-def venv_fingerprint(python):
-    """What changes whenever pip changes the venv of `python`: site-packages' mtime and its dist-info names."""
-    venv = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(python))))
-    parts = [venv]
-    lib = os.path.join(venv, "lib")
-    for pyver in sorted(os.listdir(lib)) if os.path.isdir(lib) else []:
-        sp = os.path.join(lib, pyver, "site-packages")
-        if os.path.isdir(sp):
-            parts.append(f"{sp}:{os.stat(sp).st_mtime_ns}")
-            parts.extend(sorted(n for n in os.listdir(sp) if n.endswith(".dist-info")))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
 def validate_cache_key(python, argv):
-    blob = json.dumps([os.path.abspath(python), venv_fingerprint(python), argv], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def read_validate_cache(path):
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # missing or damaged: validate again and rewrite it
-
-
-def write_validate_cache(path, entries):
-    keep = sorted(entries.items(), key=lambda kv: kv[1].get("at", 0))[-VALIDATE_CACHE_MAX:]
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    atomic_write(path, json.dumps(dict(keep), sort_keys=True, indent=1) + "\n", 0o644, None, None)
+    return cache_key(python, argv)
 
 
 def read_text(path):
@@ -636,7 +604,7 @@ def main():
         cache_path, key, cache = p["validate_cache"], None, {}
         if cache_path and os.path.exists(vpython):
             key = validate_cache_key(vpython, cache_words)
-            cache = read_validate_cache(cache_path)
+            cache = read_cache(cache_path)
         # An entry written before records existed has no NIXL version: parse again once to learn it.
         if key and key in cache and "nixl" in cache[key]:
             validated, versions = True, cache[key]
@@ -649,7 +617,7 @@ def main():
                 key = validate_cache_key(vpython, cache_words)  # again: a first import may add a __pycache__
                 cache[key] = {"version": versions.get("version"), "nixl": versions.get("nixl"),
                               "at": int(time.time()), "instance": name}
-                write_validate_cache(cache_path, cache)
+                write_cache(cache_path, cache)
         result["flags_validated"] = validated
         result["entry_point_checked"] = validated and own_venv
         if versions.get("version"):

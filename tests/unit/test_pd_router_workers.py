@@ -116,7 +116,8 @@ def test_igw_argv_is_accepted_by_the_real_router_and_registry_is_the_topology(in
     assert {r["model_id"] for r in reg} == {"served"}
     with pytest.raises(Exception, match="pd_router_model_id"):
         pdr.pd_router_registry(workers, "")
-    # Off by default (its /v1/models is not OpenAI-shaped); site.yml's drain-first change path needs it (both inventories set it).
+    # Off by default (its /v1/models is not OpenAI-shaped); site.yml's drain-first change path needs it, so both
+    # inventories set it (and the front door answers /v1/models itself).
     assert DEFAULTS["pd_router_igw"] is False
 
 

@@ -7,6 +7,7 @@ The hostile cases sit in a 12-server copy of inventory/b300, one per instance, s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -156,6 +157,42 @@ def test_real_inventories_parse(name, monkeypatch, parser_runs):
     assert result["instances"] == sum(len(h["pd_instances"]) for h in hosts.values())
     assert result["vllm_version"].split("+")[0] == pinned
     assert len(parser_runs) == 1
+
+
+def test_cache_skips_the_parser_for_an_accepted_set_and_never_records_a_rejection(monkeypatch, tmp_path):
+    """The cache logic alone (the parser's verdict is faked here; the real parser runs in the tests above)."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    runs = []
+
+    def parser(module, py, items, version, timeout):
+        runs.append(len(items))
+        bad = [f"host h, instance {i['instance']}, flag no-such-vllm-flag: unknown" for i in items
+               if "--no-such-vllm-flag" in i["argv"]]
+        return {"ok": True, "version": "0.32.0", "results": [{"problems": bad}]}
+
+    monkeypatch.setattr(MODULE, "run_parser", parser)
+    hosts, recipe, pinned = module_input(ROOT / "inventory" / "local")
+    args = {"hosts": hosts, "recipe": recipe, "python": str(python), "vllm_version": pinned,
+            "cache": str(tmp_path / "accepted.json")}
+    first, failed = run_module(MODULE.main, args, monkeypatch=monkeypatch)
+    assert not failed and first["cached"] is False and len(runs) == 1, first
+    again, failed = run_module(MODULE.main, args, monkeypatch=monkeypatch)
+    assert not failed and again["cached"] is True and len(runs) == 1, again  # the parser did not run again
+    assert again["vllm_version"] == "0.32.0" and again["instances"] == first["instances"]
+    # a pip change in the venv misses
+    (python.parent.parent / "lib" / "python3.11" / "site-packages" / "x-1.dist-info").mkdir(parents=True)
+    run_module(MODULE.main, args, monkeypatch=monkeypatch)
+    assert len(runs) == 2
+    # a rejected set is never recorded: parsed every time
+    bad_hosts = json.loads(json.dumps(hosts))
+    bad_hosts[next(iter(hosts))]["pd_instances"][0]["extra_flags"] = {"no-such-vllm-flag": 1}
+    for _ in range(2):
+        res, failed = run_module(MODULE.main, dict(args, hosts=bad_hosts), monkeypatch=monkeypatch)
+        assert failed and "no-such-vllm-flag" in res["msg"]
+    assert len(runs) == 4
 
 
 def test_missing_venv_says_how_to_get_one(monkeypatch, tmp_path, parser_runs):
