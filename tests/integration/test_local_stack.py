@@ -471,34 +471,45 @@ def _decode_only_flags(inventory: dict) -> dict:
     return pool
 
 
-@pytest.mark.upgrade
-def test_change_path_flag_revision_and_rollback_through_site_yml_drop_no_request(inventory):
-    """The one change path (issue #15): plain site.yml applies (a) a decode-only flag change, (b) a switch to a
-    second revision of the tiny model, (c) the rollback to the inventory as it was, each under steady load with 0
-    failed requests; only affected instances restart; P/D pairs never span two revisions; P/D at the end."""
-    pool = _decode_only_flags(inventory)
-    r2_dir = ROOT / ".cache" / "model-src"
-    r2 = (r2_dir / "tiny-pd-r2.REVISION").read_text().strip()
-    r1 = (r2_dir / "tiny-pd.REVISION").read_text().strip()
-    names = sorted(i["name"] for i in inventory["instances"])
-    decode = [i["name"] for i in inventory["instances"] if i["pool"] == "decode"]
+def _revisions() -> tuple[str, str]:
+    src = ROOT / ".cache" / "model-src"
+    return (src / "tiny-pd.REVISION").read_text().strip(), (src / "tiny-pd-r2.REVISION").read_text().strip()
 
-    # (a) a flag of the decode pool: only the decode instance restarts (served colocated meanwhile)
-    a = change_through_site(inventory, "change-flag", {"pd_vllm_flags_pool": pool})
+
+@pytest.mark.change_full
+def test_change_path_flag_change_restarts_only_the_decode_instance(inventory):
+    """(a) A decode-pool flag through plain site.yml: only decode-0 restarts, drain first, served colocated
+    meanwhile, 0 failed requests, P/D at the end (issue #15)."""
+    decode = [i["name"] for i in inventory["instances"] if i["pool"] == "decode"]
+    a = change_through_site(inventory, "change-flag", {"pd_vllm_flags_pool": _decode_only_flags(inventory)})
     assert sorted(i["instance"] for i in a["instances"]) == decode, a["instances"]
     assert all(i["served_meanwhile"] == "colocated" for i in a["instances"]), a["instances"]
-    for n in names:
-        if n not in decode:
-            assert a["revisions_after"][n]["pid"] == a["revisions_before"][n]["pid"], f"{n} restarted"
+    for name, before in a["revisions_before"].items():
+        if name not in decode:
+            assert a["revisions_after"][name]["pid"] == before["pid"], f"{name} restarted"
 
-    # (b) a second revision: every instance restarts through the drain, prefill first
+
+@pytest.mark.upgrade
+def test_change_path_revision_switch_through_site_yml_drops_no_request(inventory):
+    """(b) A second revision of the tiny model through site.yml: every instance restarts drain first, prefill first,
+    decode last (served colocated meanwhile), 0 failed requests, no P/D pair across two revisions at any sample
+    (the routers' registries against the revision on each process's command line), records and processes agree,
+    P/D at the end (issue #15)."""
+    _, r2 = _revisions()
+    names = sorted(i["name"] for i in inventory["instances"])
+    decode = [i["name"] for i in inventory["instances"] if i["pool"] == "decode"]
     source = {"type": "path", "path": "/srv/model-src/tiny-pd-r2", "revision": r2}
-    b = change_through_site(inventory, "change-revision", {"pd_vllm_flags_pool": pool, "pd_model_source": source})
-    assert [i["instance"] for i in b["instances"]][-1] == decode[0] and sorted(
-        i["instance"] for i in b["instances"]) == names, b["instances"]
+    b = change_through_site(inventory, "change-revision", {"pd_model_source": source})
+    assert sorted(i["instance"] for i in b["instances"]) == names, b["instances"]
+    assert b["instances"][-1]["instance"] == decode[0] and b["instances"][-1]["served_meanwhile"] == "colocated"
     assert {r["process_revision"] for r in b["revisions_after"].values()} == {r2}, b["revisions_after"]
 
-    # (c) rollback: the inventory as it was (revision r1, still on disk, and the old decode flags)
+
+@pytest.mark.change_full
+def test_change_path_rollback_to_the_inventory_as_it_was(inventory):
+    """(c) The rollback: site.yml with the inventory as committed (revision r1, still on disk; the original flags),
+    the same drain path, 0 failed requests (issue #15)."""
+    r1, _ = _revisions()
     c = change_through_site(inventory, "change-rollback", None)
-    assert sorted(i["instance"] for i in c["instances"]) == names, c["instances"]
+    assert c["instances"], "nothing was rolled back"
     assert {r["process_revision"] for r in c["revisions_after"].values()} == {r1}, c["revisions_after"]

@@ -154,7 +154,8 @@ def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
            "ansible_managed": "test", "pd_frontdoor_port": port, "pd_frontdoor_bind_host": "127.0.0.1",
            "pd_frontdoor_listen_ipv6": False, "pd_frontdoor_request_timeout_s": 30,
            "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
-           "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY], **extra}
+           "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY], "pd_frontdoor_model": "tiny-pd",
+           **extra}
     (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
     (tmp / "api-keys.map").write_text(env.get_template("api-keys.map.j2").render(**ctx))
     for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
@@ -234,6 +235,12 @@ def test_clients_need_the_key_and_admin_paths_are_closed(frontdoor):
                          ("DELETE", "/workers/x"), ("GET", "/metrics"), ("GET", "/scheduling/diagnostics"),
                          ("POST", "/finish_session"), ("GET", "/get_loads"), ("GET", "/health/x")):
         assert _req(url + path, method=method, key=KEY)[0] == 404, (method, path)
+    # The model list is the front door's own, OpenAI-shaped whatever the routers' mode (IGW answers {"models": ...}),
+    # and needs the key like every /v1/ path.
+    assert _req(url + "/v1/models", method="GET")[0] == 401
+    status, body = _req(url + "/v1/models", method="GET", key=KEY)
+    assert status == 200 and json.loads(body) == {"object": "list", "data": [
+        {"id": "tiny-pd", "object": "model", "owned_by": "b300-pd"}]}, body
     # Nothing of the above reached a router.
     assert all(not u.seen for u in frontdoor["ups"].values())
 
