@@ -59,12 +59,7 @@ instances:
 import os  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.pd_recipe import (  # noqa: E402
-    RECORD_SUFFIX,
-    ROLLBACK_DIR,
-    parse_record,
-    pending_marker,
-)
+from ansible.module_utils.pd_recipe import parse_record, pending_marker, running_record_path  # noqa: E402
 
 
 def _read(path):
@@ -78,9 +73,7 @@ def _read(path):
 def instance_state(env_dir, name):
     """What instance `name` runs now (see DOCUMENTATION)."""
     pending = os.path.exists(pending_marker(env_dir, name))
-    path = os.path.join(env_dir, ROLLBACK_DIR, name + RECORD_SUFFIX) if pending else os.path.join(
-        env_dir, name + RECORD_SUFFIX)
-    record = parse_record(_read(path))
+    record = parse_record(_read(running_record_path(env_dir, name, pending)))
     if record is None:
         return {"python": None, "venv": None, "vllm": None, "nixl": None, "key": "unknown", "revision": None,
                 "restart_pending": pending, "source": "none"}

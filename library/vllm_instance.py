@@ -277,6 +277,7 @@ from ansible.module_utils.pd_recipe import (  # noqa: E402
     render_env_file,
     render_record,
     render_unit,
+    running_record_path,
     serve_command,
     unit_name,
 )
@@ -439,10 +440,6 @@ def validate_with_vllm(module, python, argv, name, timeout=300, *, command=None)
     return False, {}  # not reached
 
 
-def validate_cache_key(python, argv):
-    return cache_key(python, argv)
-
-
 def read_text(path):
     try:
         with open(path, encoding="utf-8") as fh:
@@ -603,7 +600,7 @@ def main():
         cache_words = [*(checked_command or [SERVE_SUBCOMMAND]), *argv]
         cache_path, key, cache = p["validate_cache"], None, {}
         if cache_path and os.path.exists(vpython):
-            key = validate_cache_key(vpython, cache_words)
+            key = cache_key(vpython, cache_words)
             cache = read_cache(cache_path)
         # An entry written before records existed has no NIXL version: parse again once to learn it.
         if key and key in cache and "nixl" in cache[key]:
@@ -614,7 +611,7 @@ def main():
                 module, vpython, argv, name, p["validate_timeout"], command=checked_command
             )
             if validated and key and not module.check_mode:
-                key = validate_cache_key(vpython, cache_words)  # again: a first import may add a __pycache__
+                key = cache_key(vpython, cache_words)  # again: a first import may add a __pycache__
                 cache[key] = {"version": versions.get("version"), "nixl": versions.get("nixl"),
                               "at": int(time.time()), "instance": name}
                 write_cache(cache_path, cache)
@@ -679,8 +676,8 @@ def main():
     rollback_dir = None if render_root else os.path.join(p["env_dir"], ROLLBACK_DIR)
     result["rollback_dir"] = rollback_dir
     # What runs now: while a restart is pending, the state saved before that change; else what was on disk.
-    running_text = read_text(os.path.join(rollback_dir, name + RECORD_SUFFIX)) if pending_before else None
-    result["running_record"] = parse_record(running_text if pending_before else before_texts[rec_path])
+    result["running_record"] = parse_record(
+        read_text(running_record_path(p["env_dir"], name, True)) if pending_before else before_texts[rec_path])
     result["changed"] = content_changed or attrs_changed
     result["restart_required"] = content_changed or pending_before
     if module._diff:

@@ -801,6 +801,14 @@ def pending_marker(env_dir, name):
     return posixpath.join(env_dir, f".{name}.restart-pending")
 
 
+def running_record_path(env_dir, name, pending):
+    """The record of what instance `name` runs now: the one vllm_instance saved under rollback/ while a restart is
+    pending (the files changed, the process not restarted into them yet), else the record beside the unit."""
+    if pending:
+        return posixpath.join(env_dir, ROLLBACK_DIR, name + RECORD_SUFFIX)
+    return posixpath.join(env_dir, name + RECORD_SUFFIX)
+
+
 def parse_record(text):
     """A record's dict, or None for no text / not a JSON object (a damaged record is as good as none)."""
     try:
