@@ -98,7 +98,8 @@ _UNIT_CPU = (
 def idle_cpu(stack: Stack, window: float) -> dict:
     """% of one core per unit over `window` seconds of no traffic (CPU time of the unit's processes)."""
     units = {(i["host"], f"vllm-{i['name']}.service"): i["name"] for i in stack.instances}
-    units[(stack.router_host, f"{stack.router_service}.service")] = "router"
+    unit = stack.router_unit["name"]
+    units[(stack.router_host, unit if unit.endswith(".service") else f"{unit}.service")] = "router"
     script = shlex.quote(_UNIT_CPU)
 
     def sample() -> tuple[dict, float]:

@@ -198,6 +198,25 @@ def check_flag_dict(flags, field, where):
     return problems
 
 
+# Variables read by the bundle's vLLM plugins (roles/vllm_install/files): (type, minimum, what it is).
+PLUGIN_ENV = {
+    "PD_NIXL_PROGRESS_DELAY_US": (int, 0, "NIXL's UCX progress-thread poll delay in microseconds"),
+    "PD_SHM_NOTIFY_HWM": (int, 1, "high-water mark of vLLM's shared-memory queue wake-up socket"),
+    "PD_SHM_BUSY_LOOP_S": (float, 0, "seconds vLLM's shared-memory queue readers spin after a message"),
+}
+
+
+def _plugin_env_problem(key, value):
+    kind, minimum, what = PLUGIN_ENV[key]
+    try:
+        number = kind(str(value).strip())
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        return f"{key}={value!r} must be a{'n integer' if kind is int else ' number'} >= {minimum} ({what})"
+    return None
+
+
 def check_env_dict(env, field, where, allow_reserved=False):
     problems = []
     if env is None:
@@ -220,6 +239,8 @@ def check_env_dict(env, field, where, allow_reserved=False):
                 f"{where}, field {field}: {key} contains {control_char(str(value))}; control characters are "
                 "not allowed in an env file: remove it"
             )
+        elif key in PLUGIN_ENV and _plugin_env_problem(key, value):
+            problems.append(f"{where}, field {field}: {_plugin_env_problem(key, value)}")
     return problems
 
 
