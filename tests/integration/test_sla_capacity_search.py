@@ -125,6 +125,8 @@ def test_small_capacity_search_through_the_front_door(stack_info):
             "--tokenizer", ".cache/model-src/tiny-pd", "--out-dir", str(OUT_DIR.relative_to(ROOT)),
             *[str(x) for kv in FLAGS.items() for x in kv]]
     rc, out, err, wall_s = run_search(argv, worst)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "search.log").write_text(err)  # the search's point-by-point log, kept with its report
     # 2: bad input, or a `vllm bench serve` that failed (not a slow one: that is a missed point)
     assert rc in (0, 1), f"{' '.join(argv)} exited {rc}:\n{err[-4000:]}"
 
