@@ -36,10 +36,12 @@ BOUND_S = 300  # issue #19: the search runs in CI within 5 minutes of wall time
 START_AND_REPORT_S = 30
 OUT_DIR = REPORTS / "capacity"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# Small: 3 points at most per context length, 8 s of arrivals (at least 4 requests) each, a point still running
-# after 75 s (client start-up included) counts as a miss; --budget-s stops starting points that could end past it.
-FLAGS = {"--context-points": 2, "--start-rate": 0.5, "--min-rate": 0.1, "--max-points": 3, "--point-seconds": 8,
-         "--min-prompts": 4, "--point-timeout": 75, "--prometheus-timeout": 2,
+# Small: 8 s of arrivals (at least 4 requests) per point, a point still running after 60 s (client start-up
+# included) counts as a miss, up to 6 points per context length so that the search can bracket the knee (idle, the
+# local stack meets the SLA at 8 req/s with 3072 tokens: 3 doublings from 1 req/s find no failing rate); --budget-s
+# stops starting points that could end past it.
+FLAGS = {"--context-points": 2, "--start-rate": 1, "--min-rate": 0.1, "--max-points": 6, "--point-seconds": 8,
+         "--min-prompts": 4, "--point-timeout": 60, "--prometheus-timeout": 2,
          "--budget-s": BOUND_S - START_AND_REPORT_S}
 
 
