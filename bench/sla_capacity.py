@@ -13,6 +13,11 @@ its saved JSON is the measurement. At each point the per-pool TTFT/TPOT, MTP acc
       --base-url http://10.237.0.13:8000 --prometheus-url http://10.237.0.13:9090 \\
       --vllm-python .cache/vllm-venv/bin/python --tokenizer .cache/model-src/tiny-pd --context-points 2
 
+--budget-s bounds the whole run's measuring time (CI runs a small search on the embedded default within 5 min): a
+point is started only if it ends within the budget at its worst (--point-timeout plus the Prometheus read-back)
+while keeping one such worst case for each context length still to come; a context stopped that way is marked
+budget-limited in the report, its max rate being the highest passing rate measured.
+
 --finer-sweep runs a uniform sweep of rates instead (around the max rate of an earlier report given with
 --compare-with), to find the knee and check the search against it. Output: reports/capacity/<UTC time>/
 report.md, report.json, ttft.png, tpot.png, goodput.png. Exit 0 when every context length has a max rate > 0,
@@ -40,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # then runs vLLM's unchanged CLI main(), so `bench serve` is vLLM's own code. On a CUDA build it changes nothing.
 PD_VLLM_CLI_DIR = ROOT / "roles" / "vllm_install" / "files"
 FRONTDOOR_KEY = ROOT / ".cache" / "frontdoor" / "api-key"
+# The clock of --budget-s (monotonic: a wall-clock step must not stretch or cut the budget); tests replace it.
+clock = time.monotonic
 
 
 class UsageError(Exception):
@@ -239,6 +246,22 @@ def capacity_search(measure, start_rate: float, precision: float, min_rate: floa
     return lo, hi, points
 
 
+class BudgetSpent(Exception):
+    """The next point could end past --budget-s, or take the time kept for a later context's first point."""
+
+
+def point_worst_s(point_timeout: float, prometheus_url: str, prometheus_timeout: float) -> float:
+    """The longest one point can take: its client killed at --point-timeout, or its run plus the Prometheus
+    read-back (every query bounded by --prometheus-timeout)."""
+    return point_timeout + (len(PROM_QUERIES) * prometheus_timeout if prometheus_url else 0.0)
+
+
+def budget_allows(elapsed_s: float, worst_s: float, contexts_after: int, budget_s: float | None) -> bool:
+    """Start the next point only if it ends within the budget at its worst, with one worst-case point still left
+    for each later context length (every context length gets measured)."""
+    return budget_s is None or elapsed_s + worst_s * (1 + contexts_after) <= budget_s
+
+
 def knee_of_sweep(results: list[tuple[float, bool]]) -> float:
     """The knee of a uniform sweep: the highest rate passing below the first failing rate (0.0 if none)."""
     knee = 0.0
@@ -352,7 +375,8 @@ def run_point(a, context: int, rate: float, result_dir: Path, log) -> Point:
     point.window_end = out.stat().st_mtime
     point.load_avg_1m = round(os.getloadavg()[0], 2)
     point.passed, point.reason = sla_verdict(point, a.plan.sla)
-    point.prometheus = read_prometheus(a.prometheus_url, point.window_end, point.duration_s, a.scrape_interval)
+    point.prometheus = read_prometheus(a.prometheus_url, point.window_end, point.duration_s, a.scrape_interval,
+                                       a.prometheus_timeout)
     log(f"  c={context} rate={rate:g} n={n}: TTFT {point.mean_ttft_ms:.0f} ms, TPOT {point.mean_tpot_ms:.1f} ms, "
         f"goodput {point.request_goodput or 0:.3f} req/s -> {'PASS' if point.passed else 'FAIL'}")
     return point
@@ -382,6 +406,11 @@ def render_markdown(rep: dict) -> str:
                   f"{rep['params']['precision']:.0%} relative precision.", "",
                   "| context (tokens) | max rate (req/s) | first failing rate | goodput at max (req/s) | "
                   "mean TTFT at max (ms) | mean TPOT at max (ms) | points |", "|---|---|---|---|---|---|---|"]
+        limited = [str(c["context"]) for c in rep["contexts"] if c.get("budget_limited")]
+        if limited:
+            lines[-2:-2] = [f"**Budget-limited** (`--budget-s {rep['params']['budget_s']:g}`): the search at "
+                            f"{', '.join(limited)} tokens stopped before reaching the precision; its max rate is the "
+                            "highest passing rate measured (a lower bound).", ""]
     else:
         lines += ["| context (tokens) | knee (req/s) | first failing rate | goodput at knee (req/s) | "
                   "mean TTFT at knee (ms) | mean TPOT at knee (ms) | points |", "|---|---|---|---|---|---|---|"]
@@ -389,7 +418,8 @@ def render_markdown(rep: dict) -> str:
         best = next((p for p in c["points"] if p["passed"] and p["rate"] == c["max_rate"]), None)
         lines.append(f"| {c['context']} | **{c['max_rate']:.3g}** | {_fmt(c['fail_rate'], '.3g')} | "
                      f"{_fmt(best and best['request_goodput'], '.3f')} | {_fmt(best and best['mean_ttft_ms'])} | "
-                     f"{_fmt(best and best['mean_tpot_ms'], '.1f')} | {len(c['points'])} |")
+                     f"{_fmt(best and best['mean_tpot_ms'], '.1f')} | {len(c['points'])}"
+                     f"{' (budget)' if c.get('budget_limited') else ''} |")
     if rep.get("comparison"):
         lines += ["", "## Search vs finer sweep", "", "| context | search max rate | sweep knee | difference |",
                   "|---|---|---|---|"]
@@ -506,6 +536,11 @@ def parse_args(argv):
     ap.add_argument("--point-timeout", type=float, default=300.0,
                     help="a point still running after this many seconds counts as a miss (overloaded); it "
                          "includes the client's start-up (vLLM import: 10 s idle, a minute on busy shared cores)")
+    ap.add_argument("--budget-s", type=float,
+                    help="measure at most this long in all: a point starts only if it ends within the budget at "
+                         "its worst, keeping one worst-case point for each later context length (default: none)")
+    ap.add_argument("--prometheus-timeout", type=float, default=10.0,
+                    help="seconds per Prometheus query of a point's read-back (part of a point's worst case)")
     ap.add_argument("--sla-ttft-ms", type=float, help="override pd_sla.ttft_mean_s (reported as an override)")
     ap.add_argument("--sla-tpot-ms", type=float, help="override pd_sla.tpot_mean_ms (reported as an override)")
     ap.add_argument("--seed", type=int, default=0)
@@ -528,6 +563,9 @@ def parse_args(argv):
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0 (ms)")
         a.plan = replace(a.plan, sla=Sla(a.sla_ttft_ms if a.sla_ttft_ms is not None else a.plan.sla.ttft_mean_ms,
                                          a.sla_tpot_ms if a.sla_tpot_ms is not None else a.plan.sla.tpot_mean_ms))
+    for name in ("budget_s", "prometheus_timeout"):
+        if getattr(a, name) is not None and getattr(a, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
     a.api_key = Path(a.api_key_file).read_text().strip() if Path(a.api_key_file).is_file() else ""
     if not Path(a.vllm_python).exists():
         raise UsageError(f"--vllm-python: {a.vllm_python} does not exist; give the python of a vLLM venv")
@@ -541,6 +579,13 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         a = parse_args(argv)
+        contexts = a.contexts or context_lengths(a.plan.context_min, a.plan.context_max, a.context_points,
+                                                 a.plan.max_model_len, a.plan.output_len)
+        worst = point_worst_s(a.point_timeout, a.prometheus_url, a.prometheus_timeout)
+        if not budget_allows(0.0, worst, len(contexts) - 1, a.budget_s):
+            raise UsageError(f"--budget-s {a.budget_s:g} is less than one point's worst case ({worst:g} s: "
+                             f"--point-timeout plus the Prometheus read-back) for each of the {len(contexts)} context "
+                             f"lengths; raise it to at least {worst * len(contexts):g} or lower --point-timeout")
     except UsageError as exc:
         print(f"sla_capacity: {exc}", file=sys.stderr)
         return 2
@@ -549,8 +594,6 @@ def main(argv=None) -> int:
     raw_dir = out_dir / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     plan = a.plan
-    contexts = a.contexts or context_lengths(plan.context_min, plan.context_max, a.context_points,
-                                             plan.max_model_len, plan.output_len)
     baseline = json.loads(Path(a.compare_with).read_text()) if a.compare_with else None
 
     def log(msg):
@@ -562,36 +605,54 @@ def main(argv=None) -> int:
            "output_len": plan.output_len,
            "command": " ".join(["bench/sla_capacity.py"] + list(argv if argv is not None else sys.argv[1:])),
            "params": {k: getattr(a, k) for k in ("start_rate", "precision", "min_rate", "max_points",
-                                                  "point_seconds", "min_prompts", "max_prompts", "seed")},
+                                                  "point_seconds", "min_prompts", "max_prompts", "point_timeout",
+                                                  "budget_s", "prometheus_timeout", "seed")},
            "contexts": []}
     t0 = time.time()
+    budget_t0 = clock()
     start_rate = a.start_rate
     measured: list[Point] = []
     recorded = True  # the points of `measured` are in rep already
     interrupted = ""
     try:
-        for ctx in contexts:
+        for i, ctx in enumerate(contexts):
             measured, recorded = [], False
+            contexts_after = len(contexts) - 1 - i
 
-            def measure(rate, ctx=ctx, measured=measured):
+            def measure(rate, ctx=ctx, measured=measured, contexts_after=contexts_after):
+                if not budget_allows(clock() - budget_t0, worst, contexts_after, a.budget_s):
+                    raise BudgetSpent(f"--budget-s {a.budget_s:g}: no time left for a point at {rate:g} req/s")
                 p = run_point(a, ctx, rate, raw_dir, log)
                 measured.append(p)
                 return p.passed
 
             log(f"context {ctx} tokens ({rep['mode']})")
-            if a.finer_sweep:
-                base = next((c["max_rate"] for c in (baseline or {}).get("contexts", []) if c["context"] == ctx), 0)
-                lo = a.sweep_min if a.sweep_min is not None else 0.6 * base
-                hi = a.sweep_max if a.sweep_max is not None else 1.4 * base
-                results = [(r, measure(r)) for r in sweep_rates(lo, hi, a.sweep_points)]
-                max_rate = knee_of_sweep(results)
-                fail_rate = next((r for r, ok in sorted(results) if not ok), None)
-            else:
-                max_rate, fail_rate, _ = capacity_search(measure, start_rate, a.precision, a.min_rate,
-                                                         a.max_points)
+            budget_limited = False
+            try:
+                if a.finer_sweep:
+                    base = next((c["max_rate"] for c in (baseline or {}).get("contexts", [])
+                                 if c["context"] == ctx), 0)
+                    lo = a.sweep_min if a.sweep_min is not None else 0.6 * base
+                    hi = a.sweep_max if a.sweep_max is not None else 1.4 * base
+                    results = [(r, measure(r)) for r in sweep_rates(lo, hi, a.sweep_points)]
+                    max_rate = knee_of_sweep(results)
+                    fail_rate = next((r for r, ok in sorted(results) if not ok), None)
+                else:
+                    max_rate, fail_rate, _ = capacity_search(measure, start_rate, a.precision, a.min_rate,
+                                                             a.max_points)
+            except BudgetSpent as exc:
+                log(f"  {exc}; context {ctx} stops after {len(measured)} points")
+                budget_limited = True
+                results = [(p.rate, p.passed) for p in measured]
+                # what the search (lo: the highest pass) or the sweep (its knee) would say of these points
+                max_rate = (knee_of_sweep(results) if a.finer_sweep
+                            else max((r for r, ok in results if ok), default=0.0))
+                fail_rate = min((r for r, ok in results if not ok), default=None)
+            if not a.finer_sweep:
                 # longer contexts have less capacity: start the next one at this one's max rate
                 start_rate = max_rate if max_rate > 0 else start_rate
             rep["contexts"].append({"context": ctx, "max_rate": max_rate, "fail_rate": fail_rate,
+                                    **({"budget_limited": True} if budget_limited else {}),
                                     "points": [asdict(p) for p in measured]})
             recorded = True
     except UsageError as exc:

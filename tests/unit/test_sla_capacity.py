@@ -188,3 +188,83 @@ def test_main_bad_inventory_exits_2(tmp_path, capsys):
     rc = cap.main(["--inventory", str(tmp_path), "--base-url", "http://127.0.0.1:1", "--tokenizer", "x"])
     assert rc == 2
     assert "--inventory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ time budget
+def test_point_worst_case_counts_the_prometheus_read_back():
+    assert cap.point_worst_s(60.0, "", 10.0) == 60.0  # no Prometheus URL: no read-back
+    assert cap.point_worst_s(60.0, "http://127.0.0.1:9090", 2.0) == 60.0 + 2.0 * len(cap.PROM_QUERIES)
+
+
+@pytest.mark.parametrize(("elapsed", "contexts_after", "ok"), [
+    (80.0, 1, True), (80.5, 1, False),  # 30 s for this point + 30 s kept for the later context's first point
+    (110.0, 0, True), (110.5, 0, False),  # the last context: only this point
+])
+def test_budget_keeps_a_worst_case_point_for_each_later_context(elapsed, contexts_after, ok):
+    assert cap.budget_allows(elapsed, 30.0, contexts_after, 140.0) is ok
+    assert cap.budget_allows(elapsed, 30.0, contexts_after, None) is True  # no budget given
+
+
+def _timed_points(monkeypatch, seconds_per_point: float, capacity: float) -> list:
+    """run_point replaced by a synthetic point taking seconds_per_point on the budget's clock, meeting the SLA
+    below `capacity` req/s; returns the clock (one-element list) so a test can read the time spent."""
+    now = [0.0]
+    monkeypatch.setattr(cap, "clock", lambda: now[0])
+
+    def run_point(a, context, rate, result_dir, log):
+        now[0] += seconds_per_point
+        ok = rate < capacity
+        return cap.Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=300.0 if ok else 9e3,
+                         mean_tpot_ms=5.0, request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic")
+
+    monkeypatch.setattr(cap, "run_point", run_point)
+    return now
+
+
+def _argv(tmp_path, *extra):
+    return ["--inventory", str(ROOT / "inventory" / "local"), "--base-url", "http://127.0.0.1:1", "--tokenizer", "x",
+            "--vllm-python", sys.executable, "--api-key-file", str(tmp_path / "no-key"), "--contexts", "256", "3072",
+            "--start-rate", "0.5", "--max-points", "8", "--point-timeout", "50", "--out-dir", str(tmp_path / "out"),
+            *extra]
+
+
+def test_budget_stops_starting_points_and_marks_the_report(tmp_path, monkeypatch):
+    now = _timed_points(monkeypatch, seconds_per_point=30.0, capacity=5.0)
+    assert cap.main(_argv(tmp_path, "--budget-s", "200")) == 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    first, second = rep["contexts"]
+    # 256: points start at 0, 30, 60, 90 s (each + 50 s + 50 s kept for 3072 <= 200); at 120 s no longer
+    assert [p["rate"] for p in first["points"]] == [0.5, 1.0, 2.0, 4.0]
+    assert (first["max_rate"], first["fail_rate"], first["budget_limited"]) == (4.0, None, True)
+    # 3072 starts at 256's max rate: at 120 and 150 s (+ 50 <= 200); at 180 s no longer
+    assert [(p["rate"], p["passed"]) for p in second["points"]] == [(4.0, True), (8.0, False)]
+    assert (second["max_rate"], second["fail_rate"], second["budget_limited"]) == (4.0, 8.0, True)
+    assert now[0] <= 200.0
+    assert rep["params"]["budget_s"] == 200.0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "**Budget-limited** (`--budget-s 200`)" in md and "256, 3072 tokens" in md
+    assert "| 4 (budget) |" in md
+
+
+def test_without_budget_the_search_runs_to_its_precision(tmp_path, monkeypatch):
+    _timed_points(monkeypatch, seconds_per_point=30.0, capacity=5.0)
+    assert cap.main(_argv(tmp_path)) == 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert not any("budget_limited" in c for c in rep["contexts"])
+    first = rep["contexts"][0]
+    assert first["fail_rate"] / first["max_rate"] - 1.0 <= 0.1  # bracketed to --precision, not cut short
+    assert first["max_rate"] < 5.0 < first["fail_rate"]
+    assert "Budget-limited" not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_budget_below_one_point_per_context_is_bad_input(tmp_path, monkeypatch, capsys):
+    _timed_points(monkeypatch, seconds_per_point=30.0, capacity=5.0)
+    # worst case of a point: 50 s + 5 Prometheus queries x 2 s = 60 s; 2 context lengths need 120 s
+    rc = cap.main(_argv(tmp_path, "--budget-s", "110", "--prometheus-url", "http://127.0.0.1:1",
+                        "--prometheus-timeout", "2"))
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--budget-s 110" in err and "at least 120" in err
+    assert not (tmp_path / "out").exists()  # refused before measuring anything
+    assert cap.main(_argv(tmp_path, "--budget-s", "0")) == 2
+    assert "--budget-s must be > 0" in capsys.readouterr().err
