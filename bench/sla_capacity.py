@@ -406,6 +406,12 @@ def render_markdown(rep: dict) -> str:
                   f"{rep['params']['precision']:.0%} relative precision.", "",
                   "| context (tokens) | max rate (req/s) | first failing rate | goodput at max (req/s) | "
                   "mean TTFT at max (ms) | mean TPOT at max (ms) | points |", "|---|---|---|---|---|---|---|"]
+        short = [str(c["context"]) for c in rep["contexts"] if c.get("unconverged")]
+        if short:
+            lines[-2:-2] = [f"**Not converged** (`--max-points {rep['params']['max_points']}`): the search at "
+                            f"{', '.join(short)} tokens used its points before the pass/fail bracket reached the "
+                            "precision; the capacity lies between the max rate and the first failing rate. Re-run "
+                            "with more points (or a --start-rate nearer the answer).", ""]
         limited = [str(c["context"]) for c in rep["contexts"] if c.get("budget_limited")]
         if limited:
             lines[-2:-2] = [f"**Budget-limited** (`--budget-s {rep['params']['budget_s']:g}`): the search at "
@@ -529,7 +535,7 @@ def parse_args(argv):
     ap.add_argument("--start-rate", type=float, default=0.5, help="first rate of the first context (req/s)")
     ap.add_argument("--precision", type=float, default=0.1, help="stop when fail/pass rate - 1 <= this")
     ap.add_argument("--min-rate", type=float, default=0.01, help="give up (max rate 0) below this rate")
-    ap.add_argument("--max-points", type=int, default=8, help="at most this many points per context")
+    ap.add_argument("--max-points", type=int, default=12, help="at most this many points per context")
     ap.add_argument("--point-seconds", type=float, default=20.0, help="arrivals span about this long")
     ap.add_argument("--min-prompts", type=int, default=6)
     ap.add_argument("--max-prompts", type=int, default=200)
@@ -651,8 +657,13 @@ def main(argv=None) -> int:
             if not a.finer_sweep:
                 # longer contexts have less capacity: start the next one at this one's max rate
                 start_rate = max_rate if max_rate > 0 else start_rate
+            # the search ran out of --max-points before the pass/fail bracket reached --precision
+            # (or before any rate failed: then the max rate is only a lower bound)
+            unconverged = (not a.finer_sweep and not budget_limited and max_rate > 0
+                           and (fail_rate is None or fail_rate / max_rate - 1.0 > a.precision))
             rep["contexts"].append({"context": ctx, "max_rate": max_rate, "fail_rate": fail_rate,
                                     **({"budget_limited": True} if budget_limited else {}),
+                                    **({"unconverged": True} if unconverged else {}),
                                     "points": [asdict(p) for p in measured]})
             recorded = True
     except UsageError as exc:

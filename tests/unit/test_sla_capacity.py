@@ -268,3 +268,19 @@ def test_budget_below_one_point_per_context_is_bad_input(tmp_path, monkeypatch, 
     assert not (tmp_path / "out").exists()  # refused before measuring anything
     assert cap.main(_argv(tmp_path, "--budget-s", "0")) == 2
     assert "--budget-s must be > 0" in capsys.readouterr().err
+
+
+def test_a_search_that_runs_out_of_points_says_it_did_not_converge(tmp_path, monkeypatch):
+    # 2026-12-05 on the live stack: --max-points 8 from 1 req/s stopped at 26.9 passing / 32 failing (19 %), while a
+    # finer sweep found 30.9 passing; the report must not present 26.9 as a result at --precision.
+    _timed_points(monkeypatch, seconds_per_point=1.0, capacity=30.0)
+    argv = [x if x != "8" else "7" for x in _argv(tmp_path)]  # --max-points 7: 0.5 .. 16 pass, 32 fails
+    assert cap.main(argv) == 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    first = rep["contexts"][0]
+    assert first["unconverged"] is True and first["fail_rate"] / first["max_rate"] - 1.0 > 0.1
+    assert "**Not converged** (`--max-points 7`)" in (tmp_path / "out" / "report.md").read_text()
+    # with enough points the same search converges and says nothing
+    assert cap.main(_argv(tmp_path, "--max-points", "14")) == 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert not any(c.get("unconverged") for c in rep["contexts"])
