@@ -164,8 +164,14 @@ def inventory(tmp_path, p0, p1, d0, router_url):
 def run(tmp_path, inv, playbook, extra=()):
     pb = tmp_path / "pb.yml"
     pb.write_text(textwrap.dedent(playbook))
+    # ready.yml asks systemd for the unit's state (library/pd_instance_ready.py); there is none here: a systemctl
+    # that reports every unit running, never restarted (the module's own tests cover failed and crash-looping units).
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir(exist_ok=True)
+    (fake_bin / "systemctl").write_text("#!/bin/sh\nprintf 'ActiveState=active\\nSubState=running\\nNRestarts=0\\n'\n")
+    (fake_bin / "systemctl").chmod(0o755)
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ROOT / "roles"),
-               ANSIBLE_FACT_CACHING="memory")
+               ANSIBLE_FACT_CACHING="memory", PATH=f"{fake_bin}:{os.environ.get('PATH', '')}")
     return subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv), str(pb), *extra],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
 
