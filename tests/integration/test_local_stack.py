@@ -413,17 +413,22 @@ class PairWatch(threading.Thread):
         return {"samples": self.samples, "violations": self.violations[:3]}
 
 
-def change_through_site(inventory: dict, name: str, extra: dict | None) -> dict:
-    """site.yml (verify skipped) with `extra` under steady load through the front door; figures of the run."""
-    deadline = time.monotonic() + 300
-    while True:  # the load starts on a stack that routes (the previous test restarted decode)
+def wait_until_routed(inventory: dict, bound_s: float, what: str) -> None:
+    """Wait until a completion through the front door succeeds (a previous test restarted or switched instances)."""
+    deadline = time.monotonic() + bound_s
+    while True:
         try:
             if complete_through_router(inventory).get("choices"):
-                break
+                return
         except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError):
             pass
-        assert time.monotonic() < deadline, f"{name}: the router did not route within 300 s before the change"
+        assert time.monotonic() < deadline, f"{what}: the front door did not route a completion within {bound_s} s"
         time.sleep(3)
+
+
+def change_through_site(inventory: dict, name: str, extra: dict | None) -> dict:
+    """site.yml (verify skipped) with `extra` under steady load through the front door; figures of the run."""
+    wait_until_routed(inventory, 300, f"{name}, before the change")  # the load starts on a stack that routes
     before_reports = set(REPORTS.parent.glob("change-*.json"))
     revs_before = running_revisions(inventory)
     gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], concurrency=2, max_tokens=8,

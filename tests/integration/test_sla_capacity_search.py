@@ -21,13 +21,12 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.error
 from pathlib import Path
 
 import pytest
 import yaml
 from test_alert_delivery import duration_s
-from test_local_stack import ENV, INVENTORY, REPORTS, ROOT, VENV_BIN, complete_through_router, http_json, record, run
+from test_local_stack import ENV, INVENTORY, REPORTS, ROOT, VENV_BIN, http_json, record, run, wait_until_routed
 
 sla_capacity = importlib.import_module("sla_capacity")  # bench/: on sys.path once test_local_stack is imported
 
@@ -78,19 +77,6 @@ def live_scrape_interval_s(prometheus_url: str) -> float:
     return duration_s(vllm_job.get("scrape_interval", cfg["global"]["scrape_interval"]))
 
 
-def wait_until_routed(info: dict, bound_s: float = 180) -> None:
-    """The search starts on a stack that serves (the previous test restarted decode, or switched revisions)."""
-    deadline = time.monotonic() + bound_s
-    while True:
-        try:
-            if complete_through_router(info).get("choices"):
-                return
-        except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError):
-            pass
-        assert time.monotonic() < deadline, f"the front door did not answer a completion within {bound_s} s"
-        time.sleep(3)
-
-
 def valid_png(path: Path) -> bool:
     """PNG signature, an IHDR of non-zero size first and IEND last: a whole image, not a truncated one."""
     data = path.read_bytes() if path.is_file() else b""
@@ -120,7 +106,7 @@ def test_small_capacity_search_through_the_front_door(stack_info):
     info = stack_info
     worst = worst_case_s(len(info["contexts"]))
     assert worst <= BOUND_S, f"FLAGS allow {worst:.0f} s, more than the {BOUND_S} s CI gives this search"
-    wait_until_routed(info)
+    wait_until_routed(info, 180, "capacity search")  # a previous test restarted decode or switched revisions
     shutil.rmtree(OUT_DIR, ignore_errors=True)  # nothing of an earlier run can pass for this one
     argv = [str(VENV_BIN / "python"), "bench/sla_capacity.py", "--inventory", INVENTORY,
             "--base-url", info["router_url"], "--prometheus-url", info["prometheus_url"],
