@@ -555,6 +555,9 @@ def parse_args(argv):
     ap.add_argument("--sweep-points", type=int, default=9)
     ap.add_argument("--sweep-min", type=float, help="lowest rate (default 0.6 x the compared max rate)")
     ap.add_argument("--sweep-max", type=float, help="highest rate (default 1.4 x the compared max rate)")
+    ap.add_argument("--sweep-factors", type=float, nargs=2, default=(0.6, 1.4), metavar=("LOW", "HIGH"),
+                    help="with --compare-with: sweep each context from LOW to HIGH x its compared max rate "
+                         "(default 0.6 1.4); --sweep-min/--sweep-max override")
     ap.add_argument("--compare-with", help="report.json of a search: sweep around its max rates and compare")
     ap.add_argument("--out-dir", help="report directory (default reports/capacity/<UTC time>)")
     a = ap.parse_args(argv)
@@ -575,6 +578,9 @@ def parse_args(argv):
     a.api_key = Path(a.api_key_file).read_text().strip() if Path(a.api_key_file).is_file() else ""
     if not Path(a.vllm_python).exists():
         raise UsageError(f"--vllm-python: {a.vllm_python} does not exist; give the python of a vLLM venv")
+    low, high = a.sweep_factors
+    if not 0 < low < high:
+        raise UsageError(f"--sweep-factors {low:g} {high:g}: need 0 < LOW < HIGH (e.g. 0.8 1.25)")
     if a.finer_sweep and not a.compare_with and (a.sweep_min is None or a.sweep_max is None):
         raise UsageError("--finer-sweep needs --compare-with <search report.json> or --sweep-min and --sweep-max")
     return a
@@ -638,8 +644,8 @@ def main(argv=None) -> int:
                 if a.finer_sweep:
                     base = next((c["max_rate"] for c in (baseline or {}).get("contexts", [])
                                  if c["context"] == ctx), 0)
-                    lo = a.sweep_min if a.sweep_min is not None else 0.6 * base
-                    hi = a.sweep_max if a.sweep_max is not None else 1.4 * base
+                    lo = a.sweep_min if a.sweep_min is not None else a.sweep_factors[0] * base
+                    hi = a.sweep_max if a.sweep_max is not None else a.sweep_factors[1] * base
                     results = [(r, measure(r)) for r in sweep_rates(lo, hi, a.sweep_points)]
                     max_rate = knee_of_sweep(results)
                     fail_rate = next((r for r, ok in sorted(results) if not ok), None)

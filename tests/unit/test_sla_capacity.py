@@ -284,3 +284,21 @@ def test_a_search_that_runs_out_of_points_says_it_did_not_converge(tmp_path, mon
     assert cap.main(_argv(tmp_path, "--max-points", "14")) == 0
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert not any(c.get("unconverged") for c in rep["contexts"])
+
+
+def test_sweep_factors_span_each_context_around_its_searched_rate(tmp_path, monkeypatch, capsys):
+    _timed_points(monkeypatch, seconds_per_point=1.0, capacity=11.0)
+    search = tmp_path / "search.json"
+    searched = [{"context": 256, "max_rate": 10.0}, {"context": 3072, "max_rate": 4.0}]
+    search.write_text(json.dumps({"contexts": searched}))
+    assert cap.main(_argv(tmp_path, "--finer-sweep", "--compare-with", str(search), "--sweep-points", "3",
+                          "--sweep-factors", "0.8", "1.25")) == 0
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    rates = {c["context"]: [round(p["rate"], 3) for p in c["points"]] for c in rep["contexts"]}
+    assert rates[256][0] == 8.0 and rates[256][-1] == 12.5 and len(rates[256]) == 3
+    assert rates[3072][0] == 3.2 and rates[3072][-1] == 5.0
+    # uniform steps; the knee is the last pass before the first fail
+    assert [c["max_rate"] for c in rep["contexts"]] == [10.25, 5.0]
+    bad = _argv(tmp_path, "--finer-sweep", "--compare-with", str(search), "--sweep-factors", "1.2", "0.8")
+    assert cap.main(bad) == 2
+    assert "--sweep-factors 1.2 0.8: need 0 < LOW < HIGH" in capsys.readouterr().err
