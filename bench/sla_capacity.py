@@ -152,6 +152,7 @@ class Point:
     passed: bool = False
     reason: str = ""
     result_file: str = ""
+    attempt: int = 1  # > 1: a failed rate measured again (--confirm-failures)
     prometheus: dict = field(default_factory=dict)
 
 
@@ -262,6 +263,15 @@ def budget_allows(elapsed_s: float, worst_s: float, contexts_after: int, budget_
     return budget_s is None or elapsed_s + worst_s * (1 + contexts_after) <= budget_s
 
 
+def rate_verdicts(points) -> list[tuple[float, bool]]:
+    """(rate, passed) per measured rate, in the order first measured: a rate measured again passes if any of its
+    points passed (--confirm-failures)."""
+    out: dict[float, bool] = {}
+    for p in points:
+        out[p.rate] = out.get(p.rate, False) or p.passed
+    return list(out.items())
+
+
 def knee_of_sweep(results: list[tuple[float, bool]]) -> float:
     """The knee of a uniform sweep: the highest rate passing below the first failing rate (0.0 if none)."""
     knee = 0.0
@@ -347,10 +357,10 @@ def bench_command(a, context: int, rate: float, num_prompts: int, *, result_dir:
     ]
 
 
-def run_point(a, context: int, rate: float, result_dir: Path, log) -> Point:
+def run_point(a, context: int, rate: float, result_dir: Path, log, *, attempt: int = 1) -> Point:
     n = prompts_for(rate, a.point_seconds, a.min_prompts, a.max_prompts)
-    point = Point(context=context, rate=rate, num_prompts=n)
-    name = f"c{context}-r{rate:g}.json"
+    point = Point(context=context, rate=rate, num_prompts=n, attempt=attempt)
+    name = f"c{context}-r{rate:g}.json" if attempt == 1 else f"c{context}-r{rate:g}-{attempt}.json"
     cmd = bench_command(a, context, rate, n, result_dir=result_dir, name=name)
     # only pd_vllm_cli on the path: a PYTHONPATH of this (control venv, other Python) process would shadow the
     # vLLM venv's own packages (numpy of another Python version)
@@ -439,8 +449,9 @@ def render_markdown(rep: dict) -> str:
     for c in rep["contexts"]:
         for p in c["points"]:
             pr = p["prometheus"]
+            again = " (again)" if p.get("attempt", 1) > 1 else ""
             lines.append(
-                f"| {p['context']} | {p['rate']:.3g} | {p['num_prompts']} | {p['completed']}/{p['failed']} | "
+                f"| {p['context']} | {p['rate']:.3g}{again} | {p['num_prompts']} | {p['completed']}/{p['failed']} | "
                 f"{_fmt(p['mean_ttft_ms'])} ({_fmt(p['p99_ttft_ms'])}) | {_fmt(p['mean_tpot_ms'], '.1f')} "
                 f"({_fmt(p['p99_tpot_ms'], '.1f')}) | {_fmt(p['request_goodput'], '.3f')} | "
                 f"{'PASS' if p['passed'] else 'FAIL'}: {p['reason']} | {_pools(pr, 'ttft_mean_s', 1000, '.0f')} | "
@@ -551,6 +562,9 @@ def parse_args(argv):
     ap.add_argument("--sla-tpot-ms", type=float, help="override pd_sla.tpot_mean_ms (reported as an override)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scrape-interval", type=float, default=15.0, help="Prometheus scrape interval (s)")
+    ap.add_argument("--confirm-failures", type=int, default=1,
+                    help="measure a failing rate this many more times; it fails only if every point fails "
+                         "(0: one point decides)")
     ap.add_argument("--finer-sweep", action="store_true", help="uniform sweep of rates instead of the search")
     ap.add_argument("--sweep-points", type=int, default=9)
     ap.add_argument("--sweep-min", type=float, help="lowest rate (default 0.6 x the compared max rate)")
@@ -578,6 +592,8 @@ def parse_args(argv):
     a.api_key = Path(a.api_key_file).read_text().strip() if Path(a.api_key_file).is_file() else ""
     if not Path(a.vllm_python).exists():
         raise UsageError(f"--vllm-python: {a.vllm_python} does not exist; give the python of a vLLM venv")
+    if a.confirm_failures < 0:
+        raise UsageError(f"--confirm-failures {a.confirm_failures}: must be >= 0")
     low, high = a.sweep_factors
     if not 0 < low < high:
         raise UsageError(f"--sweep-factors {low:g} {high:g}: need 0 < LOW < HIGH (e.g. 0.8 1.25)")
@@ -618,7 +634,8 @@ def main(argv=None) -> int:
            "command": " ".join(["bench/sla_capacity.py"] + list(argv if argv is not None else sys.argv[1:])),
            "params": {k: getattr(a, k) for k in ("start_rate", "precision", "min_rate", "max_points",
                                                   "point_seconds", "min_prompts", "max_prompts", "point_timeout",
-                                                  "budget_s", "prometheus_timeout", "seed")},
+                                                  "budget_s", "prometheus_timeout", "seed",
+                                                  "confirm_failures")},
            "contexts": []}
     t0 = time.time()
     budget_t0 = clock()
@@ -632,11 +649,18 @@ def main(argv=None) -> int:
             contexts_after = len(contexts) - 1 - i
 
             def measure(rate, ctx=ctx, measured=measured, contexts_after=contexts_after):
-                if not budget_allows(clock() - budget_t0, worst, contexts_after, a.budget_s):
-                    raise BudgetSpent(f"--budget-s {a.budget_s:g}: no time left for a point at {rate:g} req/s")
-                p = run_point(a, ctx, rate, raw_dir, log)
-                measured.append(p)
-                return p.passed
+                # A rate fails only when each of its 1 + --confirm-failures points fails: what disturbs a point
+                # on shared cores (another job, a stall) only slows it down, it never makes an overloaded rate pass.
+                for attempt in range(1, a.confirm_failures + 2):
+                    if not budget_allows(clock() - budget_t0, worst, contexts_after, a.budget_s):
+                        raise BudgetSpent(f"--budget-s {a.budget_s:g}: no time left for a point at {rate:g} req/s")
+                    p = run_point(a, ctx, rate, raw_dir, log, attempt=attempt)
+                    measured.append(p)
+                    if p.passed:
+                        return True
+                    if attempt <= a.confirm_failures:
+                        log(f"  c={ctx} rate={rate:g}: failed; measuring it again (--confirm-failures)")
+                return False
 
             log(f"context {ctx} tokens ({rep['mode']})")
             budget_limited = False
@@ -655,7 +679,7 @@ def main(argv=None) -> int:
             except BudgetSpent as exc:
                 log(f"  {exc}; context {ctx} stops after {len(measured)} points")
                 budget_limited = True
-                results = [(p.rate, p.passed) for p in measured]
+                results = rate_verdicts(measured)
                 # what the search (lo: the highest pass) or the sweep (its knee) would say of these points
                 max_rate = (knee_of_sweep(results) if a.finer_sweep
                             else max((r for r, ok in results if ok), default=0.0))
