@@ -45,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from pd_cluster import inventory_data, view_from  # noqa: E402
 from pd_load import LoadGenerator, client_api_key  # noqa: E402
 
 VENV_BIN = ROOT / ".venv" / "bin"
@@ -65,14 +66,16 @@ class Stack:
 
     def __init__(self, inventory: str):
         self.inventory = inventory
-        data = json.loads(sh([str(VENV_BIN / "ansible-inventory"), "-i", inventory, "--list"]).stdout)
-        hv = data["_meta"]["hostvars"]
+        groups, hv = inventory_data(inventory)
         self.hostvars = hv
-        self.instances = [{**inst, "host": h}
-                          for h in data.get("vllm_hosts", {}).get("hosts", []) for inst in hv[h]["pd_instances"]]
-        router = data["router_hosts"]["hosts"][0]
+        # Addresses, URLs and ports: the cluster view (bench/pd_cluster.py, what validate.yml publishes).
+        self.cluster = view_from(groups, hv)
+        raw = {i["name"]: i for h in groups["vllm_hosts"] for i in hv[h]["pd_instances"]}
+        self.instances = [{**raw[i["name"]], "host": i["host"], "address": i["address"], "url": i["url"]}
+                          for i in self.cluster["instances"]]
+        router = self.cluster["routers"][0]["host"]
         self.router_host = router
-        self.router_url = f"http://{hv[router]['ansible_host']}:{hv[router]['pd_router_port']}"
+        self.router_url = self.cluster["router_url"]
         # The first P/D router unit of the first router host (the front door has the others).
         self.router_unit = next(u for u in hv[router]["pd_router_units"] if u["mode"] == "pd")
         self.model = hv[router]["pd_served_model_name"]

@@ -61,7 +61,7 @@ def post(url: str, body: dict, timeout: float) -> tuple[float, dict]:
 
 
 def instance_url(stack: Stack, inst: dict) -> str:
-    return f"http://{stack.hostvars[inst['host']]['ansible_host']}:{inst['http_port']}"
+    return inst["url"]  # the cluster view's (Stack.instances)
 
 
 def calibrated_prompt(stack: Stack, tokenize_url: str, tokens: int, seed: int) -> str:

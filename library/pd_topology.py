@@ -50,6 +50,17 @@ options:
     type: list
     elements: dict
     default: []
+  inventory:
+    description:
+      - What the cluster view (RV(cluster)) is composed from, C({groups, hostvars, defaults}). C(groups) holds
+        C(all), C(vllm_hosts), C(router_hosts) and C(monitoring_hosts) in inventory order; C(hostvars) each host's
+        own values of the vars the view reads (C(ansible_host), C(pd_instances), C(pd_router_port),
+        C(pd_router_units), C(pd_router_bind_host), C(pd_frontdoor_metrics_port), C(observability_prometheus_port),
+        C(observability_alertmanager_enabled), C(observability_alertmanager_port),
+        C(observability_dcgm_exporter_port), C(node_exporter_port), C(pd_firewall_host_addresses)); C(defaults)
+        role -> that role's defaults/main.yml, for the vars a host does not set.
+      - Omitted, no cluster view is returned.
+    type: dict
 attributes:
   check_mode:
     support: full
@@ -91,10 +102,40 @@ summary:
   returned: always
   type: dict
   sample: {hosts: 3, instances: {prefill: [b300-01/prefill-a], decode: [b300-03/decode-a]}, gpus: 24}
+cluster:
+  description:
+    - The cluster view every role, verify, bench and test reads (playbooks/validate.yml publishes it to every host
+      as C(pd_cluster)); composed once, from the validated topology (module_utils/pd_topology.py cluster_view).
+    - C(instances) (inventory order) each with name, host, address, pool, http_port, url, nixl_side_channel_port,
+      nixl_side_channel_ports (one per DP rank), dp_rpc_port; C(pools) pool -> instance names.
+    - C(routers) (router_hosts order) each with host, address, client_port, url (its front door), bind_host,
+      frontdoor_metrics_port and units (name, mode, port, metrics_port, url).
+    - C(router_url) the clients' URL (the first router host's front door); C(pd_router_urls) every P/D router unit
+      as the first router host reaches it (its own on loopback); C(prometheus_url); C(alertmanager_url) (null where
+      none is deployed).
+    - C(prometheus_targets) job (vllm, pd-router, pd-frontdoor, node, dcgm) -> [{target, labels}].
+    - C(firewall) C(peers) (every host's ansible_host and pd_firewall_host_addresses) and C(hosts) host ->
+      {instance_ports, router_ports, client_ports}.
+  returned: when O(inventory) is given and the topology is valid
+  type: dict
+  sample:
+    router_url: http://10.237.0.13:8000
+    prometheus_url: http://10.237.0.13:9090
+    pools: {prefill: [prefill-0], decode: [decode-0]}
+    instances:
+      - {name: prefill-0, host: pd-prefill-0, address: 10.237.0.11, pool: prefill, http_port: 8100,
+         url: "http://10.237.0.11:8100", nixl_side_channel_port: 5600, nixl_side_channel_ports: [5600],
+         dp_rpc_port: null}
 """
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402 (community.general layout)
-from ansible.module_utils.pd_topology import summarize, validate_topology  # noqa: E402
+from ansible.module_utils.pd_topology import (  # noqa: E402
+    TopologyError,
+    cluster_view,
+    summarize,
+    validate_topology,
+    view_inputs,
+)
 
 
 def main():
@@ -104,6 +145,7 @@ def main():
             recipe=dict(type="dict", required=True),
             sla=dict(type="dict", required=True),
             services=dict(type="list", elements="dict", default=[]),
+            inventory=dict(type="dict"),
         ),
         supports_check_mode=True,
     )
@@ -117,7 +159,20 @@ def main():
             problems=problems,
             summary=summary,
         )
-    module.exit_json(changed=False, problems=[], summary=summary)
+    result = dict(changed=False, problems=[], summary=summary)
+    inventory = module.params["inventory"]
+    if inventory is not None:
+        # The same hostvars validate_topology just accepted (playbooks/validate.yml builds both from hostvars).
+        view_hosts, routers, monitoring, peers = view_inputs(inventory.get("groups"), inventory.get("hostvars"),
+                                                             inventory.get("defaults"))
+        try:
+            result["cluster"] = cluster_view(view_hosts, routers, monitoring, peers)
+        except TopologyError as exc:
+            module.fail_json(
+                msg=f"P/D topology invalid ({len(exc.problems)} problem{'s' if len(exc.problems) != 1 else ''}); "
+                "nothing was changed:\n" + "\n".join(f"- {p}" for p in exc.problems),
+                problems=exc.problems, summary=summary)
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from datetime import datetime
 
 import pytest
 import yaml
-from test_local_stack import INVENTORY, VENV_BIN, host_cmd, http_json, record, run
+from test_local_stack import cluster, host_cmd, http_json, record
 
 ALERT = "VllmInstanceDown"
 RECEIVER_UNIT = "pd-alert-webhook-test"
@@ -88,17 +88,16 @@ def matching(notifications: list[dict], status: str, labels: dict, since: float)
 
 @pytest.fixture(scope="module")
 def alerting() -> dict:
-    data = json.loads(run([str(VENV_BIN / "ansible-inventory"), "-i", INVENTORY, "--list"], timeout=120).stdout)
-    hostvars = data["_meta"]["hostvars"]
-    monitor = sorted(data["monitoring_hosts"]["hosts"])[0]
-    decode_host, decode = next((h, i) for h in sorted(data["vllm_hosts"]["hosts"])
+    view, groups, hostvars = cluster()
+    monitor = groups["monitoring_hosts"][0]
+    decode_host, decode = next((h, i) for h in sorted(groups["vllm_hosts"])
                                for i in hostvars[h]["pd_instances"] if i["pool"] == "decode")
     mon = hostvars[monitor]
     urls = [u for r in mon.get("observability_alertmanager_receivers", []) for u in r.get("webhook_urls", [])]
     local = [urllib.parse.urlsplit(u) for u in urls if urllib.parse.urlsplit(u).hostname in ("127.0.0.1", "localhost")]
     assert local, f"inventory/local has no webhook receiver on the monitoring host's loopback: {urls}"
     return {"monitor": monitor, "webhook": local[0], "decode_host": decode_host, "decode": decode,
-            "prometheus_url": f"http://{mon['ansible_host']}:{mon.get('observability_prometheus_port', 9090)}",
+            "prometheus_url": view["prometheus_url"],
             "ready_budget_s": int(mon["pd_verify_ready_retries"]) * float(mon["pd_verify_ready_delay_s"])}
 
 

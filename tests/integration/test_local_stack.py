@@ -32,6 +32,7 @@ INVENTORY = "inventory/local"
 REPORTS = ROOT / "reports" / "ci"
 ENV = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), PATH=f"{VENV_BIN}:{os.environ['PATH']}")
 sys.path.insert(0, str(ROOT / "bench"))
+from pd_cluster import inventory_data, view_from  # noqa: E402
 from pd_load import LoadGenerator, client_api_key  # noqa: E402
 
 
@@ -74,27 +75,28 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 120) -> di
         return json.load(resp)
 
 
+def cluster() -> tuple[dict, dict, dict]:
+    """(the cluster view, groups, hostvars) of the inventory: addresses, URLs and ports as validate.yml publishes
+    them (bench/pd_cluster.py: the same module_utils/pd_topology.py code)."""
+    groups, hostvars = inventory_data(INVENTORY)
+    return view_from(groups, hostvars), groups, hostvars
+
+
 @pytest.fixture(scope="session")
 def inventory() -> dict:
-    out = run([str(VENV_BIN / "ansible-inventory"), "-i", INVENTORY, "--list"], timeout=120).stdout
-    data = json.loads(out)
-    hostvars = data["_meta"]["hostvars"]
-
-    def members(group: str) -> list[str]:
-        return sorted(data.get(group, {}).get("hosts", []))
-
-    instances = []
-    for host in members("vllm_hosts"):
-        for inst in hostvars[host]["pd_instances"]:
-            instances.append({**inst, "host": host, "address": hostvars[host]["ansible_host"]})
-    router = members("router_hosts")[0]
-    monitor = members("monitoring_hosts")[0]
+    view, _, hostvars = cluster()
+    raw = {i["name"]: i for h in dict.fromkeys(v["host"] for v in view["instances"])
+           for i in hostvars[h]["pd_instances"]}
+    # Host-name order, as before (a stable sort keeps each host's own order).
+    instances = [{**raw[i["name"]], "host": i["host"], "address": i["address"], "url": i["url"]}
+                 for i in sorted(view["instances"], key=lambda i: i["host"])]
+    router = view["routers"][0]["host"]
     return {
         "hostvars": hostvars,
         "instances": instances,
         "router_host": router,
-        "router_url": f"http://{hostvars[router]['ansible_host']}:{hostvars[router]['pd_router_port']}",
-        "prometheus_url": f"http://{hostvars[monitor]['ansible_host']}:9090",
+        "router_url": view["router_url"],
+        "prometheus_url": view["prometheus_url"],
         "model": hostvars[router]["pd_served_model_name"],
     }
 
@@ -393,7 +395,7 @@ class PairWatch(threading.Thread):
         super().__init__(daemon=True)
         self.inventory, self.stop_event = inventory, threading.Event()
         self.samples, self.violations = 0, []
-        self.url_to_name = {f"http://{i['address']}:{i['http_port']}": i["name"] for i in inventory["instances"]}
+        self.url_to_name = {i["url"]: i["name"] for i in inventory["instances"]}
 
     def run(self):
         while not self.stop_event.is_set():

@@ -26,7 +26,17 @@ from pathlib import Path
 import pytest
 import yaml
 from test_alert_delivery import duration_s
-from test_local_stack import ENV, INVENTORY, REPORTS, ROOT, VENV_BIN, http_json, record, run, wait_until_routed
+from test_local_stack import (
+    ENV,
+    INVENTORY,
+    REPORTS,
+    ROOT,
+    VENV_BIN,
+    cluster,
+    http_json,
+    record,
+    wait_until_routed,
+)
 
 sla_capacity = importlib.import_module("sla_capacity")  # bench/: on sys.path once test_local_stack is imported
 
@@ -48,17 +58,14 @@ FLAGS = {"--context-points": 2, "--start-rate": 1, "--min-rate": 0.1, "--max-poi
 
 @pytest.fixture(scope="module")
 def stack_info() -> dict:
-    data = json.loads(run([str(VENV_BIN / "ansible-inventory"), "-i", INVENTORY, "--list"], timeout=120).stdout)
-    hostvars = data["_meta"]["hostvars"]
-    router = hostvars[sorted(data["router_hosts"]["hosts"])[0]]
-    mon = hostvars[sorted(data["monitoring_hosts"]["hosts"])[0]]
-    pools = {i["pool"] for h in data["vllm_hosts"]["hosts"] for i in hostvars[h]["pd_instances"]}
+    view, _, hostvars = cluster()
+    router = hostvars[view["routers"][0]["host"]]
+    pools = {p for p, names in view["pools"].items() if names}
     sla = router["pd_sla"]
     # verify's rule (and the script's): the range's ends, clipped to the window minus the output tokens
     limit = int(router["pd_verify_max_model_len"]) - int(router["pd_verify_sla_output_len"])
     contexts = sorted({min(int(sla["context_min_tokens"]), limit), min(int(sla["context_max_tokens"]), limit)})
-    return {"router_url": f"http://{router['ansible_host']}:{router['pd_router_port']}",
-            "prometheus_url": f"http://{mon['ansible_host']}:{mon.get('observability_prometheus_port', 9090)}",
+    return {"router_url": view["router_url"], "prometheus_url": view["prometheus_url"],
             "model": router["pd_served_model_name"], "pools": pools,
             "contexts": contexts,
             "ttft_limit_ms": float(sla["ttft_mean_s"]) * 1000.0, "tpot_limit_ms": float(sla["tpot_mean_ms"])}

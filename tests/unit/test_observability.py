@@ -85,11 +85,9 @@ def test_scrape_targets_are_the_topology(tmp_path, inv):
 def test_every_router_unit_and_the_front_door_are_scraped(tmp_path):
     units = [{"name": "vllm-router", "mode": "pd", "port": 8001, "metrics_port": 29123},
              {"name": "vllm-router-colocated", "mode": "colocated", "port": 8009, "metrics_port": 29124}]
-    overrides = {"observability_router_units": units, "observability_frontdoor_metrics_port": 3999}
-    cfg = yaml.safe_load(render_role("local", tmp_path, overrides=overrides)["prometheus.yml"].read_text())
-    data = load_inventory_full("local")
-    if "pd_router_units" in data["hostvars"]["pd-router-0"]:  # the inventory's own units win over the default
-        units = data["hostvars"]["pd-router-0"]["pd_router_units"]
+    # Inventory values (pd_router_units, pd_frontdoor_metrics_port) reach the targets through the cluster view.
+    overrides = {"pd_router_units": units, "pd_frontdoor_metrics_port": 3999}
+    cfg = yaml.safe_load(render_role("local", tmp_path, host_overrides=overrides)["prometheus.yml"].read_text())
     assert [t for t, _ in _static(cfg, "pd-router")] == [f"10.237.0.13:{u['metrics_port']}" for u in units]
     assert [lab["router_mode"] for _, lab in _static(cfg, "pd-router")] == [u["mode"] for u in units]
     assert [t for t, _ in _static(cfg, "pd-frontdoor")] == ["10.237.0.13:3999"]

@@ -44,13 +44,17 @@ def _units(*ports_modes):
             for i, (p, m) in enumerate(ports_modes)]
 
 
+def _cluster(*hosts):
+    """The routers part of the cluster view (pd_cluster.routers) for router hosts r1, r2, ... at 10.0.0.<n>."""
+    return {"routers": [{"host": h, "address": f"10.0.0.{n}", "units": _units((8001, "pd"), (8009, "colocated"))}
+                        for n, h in enumerate(hosts, 1)]}
+
+
 def test_backends_loopback_routers_are_only_this_hosts():
-    groups = {"router_hosts": ["r1", "r2"]}
-    hostvars = {"r1": {"ansible_host": "10.0.0.1", "pd_router_units": _units((8001, "pd"), (8009, "colocated"))},
-                "r2": {"ansible_host": "10.0.0.2", "pd_router_units": _units((8001, "pd"), (8009, "colocated"))}}
-    local = pdf.pd_frontdoor_backends(groups, hostvars, "r1", "127.0.0.1")
+    cluster = _cluster("r1", "r2")
+    local = pdf.pd_frontdoor_backends(cluster, "r1", "127.0.0.1")
     assert [b["address"] for b in local] == ["127.0.0.1:8001", "127.0.0.1:8009"]
-    both = pdf.pd_frontdoor_backends(groups, hostvars, "r2", "0.0.0.0")  # noqa: S104 - compared, not bound
+    both = pdf.pd_frontdoor_backends(cluster, "r2", "0.0.0.0")  # noqa: S104 - compared, not bound
     # P/D routers of both hosts first (own host on loopback), then the colocated ones.
     assert [(b["address"], b["mode"]) for b in both] == [
         ("10.0.0.1:8001", "pd"), ("127.0.0.1:8001", "pd"), ("10.0.0.1:8009", "colocated"),
@@ -58,14 +62,11 @@ def test_backends_loopback_routers_are_only_this_hosts():
     assert both[0]["name"] == "r1/vllm-router-0"
 
 
-def test_backends_need_a_pd_router_and_units():
-    groups = {"router_hosts": ["r1"]}
-    with pytest.raises(ERR, match="no P/D router"):
-        pdf.pd_frontdoor_backends(groups, {"r1": {"pd_router_units": _units((8009, "colocated"))}}, "r1")
-    with pytest.raises(ERR, match="pd_router_units is missing"):
-        pdf.pd_frontdoor_backends(groups, {"r1": {}}, "r1")
+def test_backends_need_the_cluster_view_and_a_router_host():
+    with pytest.raises(ERR, match=r"pd_cluster \(the cluster view\) is not defined.*playbooks/validate.yml"):
+        pdf.pd_frontdoor_backends(None, "r1")
     with pytest.raises(ERR, match="not in group 'router_hosts'"):
-        pdf.pd_frontdoor_backends(groups, {"r1": {}}, "elsewhere")
+        pdf.pd_frontdoor_backends(_cluster("r1"), "elsewhere")
 
 
 @pytest.mark.parametrize("keys, match", [

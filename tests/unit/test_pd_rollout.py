@@ -20,6 +20,9 @@ from conftest import load_inventory  # noqa: E402
 from pd_recipe import build_argv, compat_key  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from pd_cluster import load as load_cluster  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location(
     "pd_rollout_filters", ROOT / "roles" / "pd_rollout" / "filter_plugins" / "pd_rollout.py")
 ro = importlib.util.module_from_spec(_spec)
@@ -27,7 +30,7 @@ _spec.loader.exec_module(ro)
 
 def topo(name):
     inv = load_inventory(name)
-    return ro.pd_rollout_topology({"vllm_hosts": list(inv["hosts"])}, inv["hosts"], "vllm_hosts"), inv
+    return ro.pd_rollout_topology(load_cluster(ROOT / "inventory" / name), list(inv["hosts"])), inv
 
 
 def test_local_topology_and_order():

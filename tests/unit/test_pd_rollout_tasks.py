@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_pd_router_workers import call, router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from pd_cluster import view_from  # noqa: E402
+
 TOOL = ROOT / "roles" / "pd_router" / "files" / "pd_router_workers.py"
 
 
@@ -112,7 +115,7 @@ PLAYBOOK = """
   vars:
     _pd_rollout_inst: "{{ pd_instances[0] }}"
     _pd_rollout_url: "http://127.0.0.1:{{ pd_instances[0].http_port }}"
-    _pd_rollout_topology: "{{ groups | pd_rollout_topology(hostvars, 'vllm_hosts') }}"
+    _pd_rollout_topology: "{{ pd_cluster | pd_rollout_topology(groups['vllm_hosts']) }}"
     _pd_rollout_req: {model: m, prompt: hi, max_tokens: 3, temperature: 0, ignore_eos: true}
   tasks:
     - name: Drain
@@ -152,10 +155,14 @@ def inventory(tmp_path, p0, p1, d0, router_url):
                  "out_dir": str(tmp_path)},
         "children": {"vllm_hosts": {"hosts": {
             "hp": {**common, "pd_instances": [
-                {"name": "prefill-0", "pool": "prefill", "http_port": p0.port},
-                {"name": "prefill-1", "pool": "prefill", "http_port": p1.port}]},
-            "hd": {**common, "pd_instances": [{"name": "decode-0", "pool": "decode", "http_port": d0.port}]},
+                {"name": "prefill-0", "pool": "prefill", "http_port": p0.port, "nixl_side_channel_port": 5600},
+                {"name": "prefill-1", "pool": "prefill", "http_port": p1.port, "nixl_side_channel_port": 5610}]},
+            "hd": {**common, "pd_instances": [{"name": "decode-0", "pool": "decode", "http_port": d0.port,
+                                                "nixl_side_channel_port": 5700}]},
         }}}}}
+    # The cluster view validate.yml would publish (the task files read pd_cluster), composed by the same code.
+    hosts = inv["all"]["children"]["vllm_hosts"]["hosts"]
+    inv["all"]["vars"]["pd_cluster"] = view_from({"all": list(hosts), "vllm_hosts": list(hosts)}, hosts)
     path = tmp_path / "inv.yml"
     path.write_text(yaml.safe_dump(inv))
     return path

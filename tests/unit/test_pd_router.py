@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -33,11 +34,20 @@ ANY = "0.0.0.0"  # noqa: S104 - the router's bind address in the inventories, co
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import load_inventory  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from pd_cluster import load as load_cluster  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location("pd_router_filters", ROLE / "filter_plugins" / "pd_router.py")
 pdr = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pdr)
 
 DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+
+
+@functools.cache
+def cluster_view_of(name):
+    """The view of inventory/<name> as bench/pd_cluster.py composes it (what validate.yml publishes as pd_cluster)."""
+    return load_cluster(ROOT / "inventory" / name)
 
 
 def settings(**over):
@@ -56,9 +66,9 @@ def settings(**over):
 
 
 def topo(name):
-    inv = load_inventory(name)
-    groups = {"vllm_hosts": list(inv["hosts"])}
-    return groups, inv["hosts"]
+    """The cluster view of inventory/<name> (what validate.yml publishes as pd_cluster) and its vLLM hosts."""
+    view = cluster_view_of(name)
+    return view, list(dict.fromkeys(i["host"] for i in view["instances"]))
 
 
 def parse_with_router(argv):
@@ -77,8 +87,8 @@ def parse_with_router(argv):
 
 
 def test_b300_workers_are_every_instance_in_inventory_order():
-    groups, hv = topo("b300")
-    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    view, hosts = topo("b300")
+    w = pdr.pd_router_workers(view, hosts)
     assert [x["url"] for x in w["prefill"]] == [
         "http://192.0.2.11:8100", "http://192.0.2.11:8101", "http://192.0.2.12:8100", "http://192.0.2.12:8101"]
     assert [x["name"] for x in w["prefill"]] == ["prefill-a", "prefill-b", "prefill-c", "prefill-d"]
@@ -87,8 +97,8 @@ def test_b300_workers_are_every_instance_in_inventory_order():
 
 @pytest.mark.parametrize("inv", ["b300", "local"])
 def test_argv_is_accepted_by_the_real_router_and_means_the_topology(inv):
-    groups, hv = topo(inv)
-    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    view, hosts = topo(inv)
+    w = pdr.pd_router_workers(view, hosts)
     argv = pdr.pd_router_argv(w, settings())
     rc, ra, err = parse_with_router(argv)
     assert rc == 0, err
@@ -109,8 +119,8 @@ def test_argv_is_accepted_by_the_real_router_and_means_the_topology(inv):
 
 def test_router_rejects_what_it_does_not_know():
     """The validation is real: a flag the installed router lacks, or a bad policy, fails parsing."""
-    groups, hv = topo("local")
-    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    view, hosts = topo("local")
+    w = pdr.pd_router_workers(view, hosts)
     rc, _, err = parse_with_router(pdr.pd_router_argv(w, settings(extra_args={"no-such-router-flag": 3})))
     assert rc != 0 and "no-such-router-flag" in err
     rc, _, err = parse_with_router(pdr.pd_router_argv(w, settings(decode_policy="fastest")))
@@ -122,8 +132,8 @@ def test_every_default_flag_exists_in_router_help():
         pytest.fail("router venv missing: run scripts/bootstrap.d/55-router-wheelhouse")
     helptext = subprocess.run([str(ROUTER_VENV / "bin" / "vllm-router"), "--help"], capture_output=True, text=True,
                               timeout=60, check=True).stdout
-    groups, hv = topo("b300")
-    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    view, hosts = topo("b300")
+    w = pdr.pd_router_workers(view, hosts)
     units = pdr.pd_router_units(load_inventory("b300")["group_vars"]["pd_router_units"], w,
                                 {**settings(), "client_port": 8000})
     flags = {a for u in units for a in u["argv"] if a.startswith("--")}
@@ -134,8 +144,8 @@ def test_every_default_flag_exists_in_router_help():
 
 def test_api_key_is_never_in_argv_and_the_launcher_refuses_it(tmp_path):
     """The workers' key reaches vllm-router through a systemd credential read by the launcher, never argv."""
-    groups, hv = topo("local")
-    workers = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    view, hosts = topo("local")
+    workers = pdr.pd_router_workers(view, hosts)
     with pytest.raises(Exception, match=r"pd_router_extra_args sets '--api-key'"):
         pdr.pd_router_argv(workers, settings(extra_args={"api-key": "s3cret"}))
     launcher = ROLE / "files" / "pd_router_launch.py"
@@ -154,8 +164,8 @@ def test_api_key_is_never_in_argv_and_the_launcher_refuses_it(tmp_path):
 
 
 def test_extra_args_follow_the_flag_convention_and_cannot_shadow_owned_flags():
-    groups, hv = topo("local")
-    w = pdr.pd_router_workers(groups, hv, "vllm_hosts")
+    view, hosts = topo("local")
+    w = pdr.pd_router_workers(view, hosts)
     argv = pdr.pd_router_argv(w, settings(extra_args={"disable-circuit-breaker": True, "cors-allowed-origins": None,
                                                       "queue-size": 50}))
     assert "--disable-circuit-breaker" in argv and "--cors-allowed-origins" not in argv
@@ -164,27 +174,19 @@ def test_extra_args_follow_the_flag_convention_and_cannot_shadow_owned_flags():
         pdr.pd_router_argv(w, settings(extra_args={"decode": "http://x:1"}))
 
 
-@pytest.mark.parametrize(("mutate", "pattern"), [
-    (lambda hv: hv["pd-decode-0"]["pd_instances"][0].update(pool="both"),
-     r"host 'pd-decode-0', instance 'decode-0': field 'pool' is 'both'"),
-    (lambda hv: hv["pd-prefill-0"]["pd_instances"][1].update(http_port=8100),
-     r"host 'pd-prefill-0', instance 'prefill-1': URL http://10.237.0.11:8100 is also instance 'prefill-0'"),
-    (lambda hv: hv["pd-prefill-0"]["pd_instances"][0].update(http_port="80x"),
-     r"instance 'prefill-0': field 'http_port' is '80x'"),
-    (lambda hv: hv["pd-decode-0"].update(pd_instances=[]), r"host 'pd-decode-0': pd_instances is missing or empty"),
-    (lambda hv: hv["pd-decode-0"]["pd_instances"][0].update(pool="prefill", name="p9"), r"no decode instance"),
-])
-def test_bad_topology_names_host_instance_and_field(mutate, pattern):
-    groups, hv = topo("local")
-    mutate(hv)
-    with pytest.raises(Exception, match=pattern):
-        pdr.pd_router_workers(groups, hv, "vllm_hosts")
+def test_workers_come_from_the_cluster_view_only():
+    """Names, pools and ports are checked once (validate.yml); the role only selects, and says what is missing."""
+    view, hosts = topo("local")
+    with pytest.raises(Exception, match=r"pd_cluster \(the cluster view\) is not defined.*playbooks/validate.yml"):
+        pdr.pd_router_workers(None, hosts)
+    with pytest.raises(Exception, match=r"no decode instance on the hosts of pd_router_worker_group \(pd-prefill-0\)"):
+        pdr.pd_router_workers(view, ["pd-prefill-0"])
 
 
 def test_same_port_for_api_and_metrics_is_refused():
-    groups, hv = topo("local")
+    view, hosts = topo("local")
     with pytest.raises(Exception, match="both 8000"):
-        pdr.pd_router_argv(pdr.pd_router_workers(groups, hv, "vllm_hosts"), settings(metrics_port=8000))
+        pdr.pd_router_argv(pdr.pd_router_workers(view, hosts), settings(metrics_port=8000))
 
 
 def test_quote_for_systemd_round_trips_through_a_shell_split():
@@ -206,6 +208,7 @@ def test_unit_rendered_by_ansible_from_the_role(tmp_path):
           gather_facts: false
           vars:
             pd_router_api_key: "s3cret-should-not-appear"
+            pd_cluster: {json.dumps(cluster_view_of("local"))}
           tasks:
             - name: Derive
               ansible.builtin.include_role:

@@ -31,6 +31,9 @@ TOOL = ROLE / "files" / "pd_router_workers.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import load_inventory  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from pd_cluster import load as load_cluster  # noqa: E402
+
 
 def _load(name, path):
     spec = importlib.util.spec_from_file_location(name, path)
@@ -95,7 +98,7 @@ def test_parse_wanted_rejects_bad_entries():
 @pytest.mark.parametrize("inv", ["local", "b300"])
 def test_igw_argv_is_accepted_by_the_real_router_and_registry_is_the_topology(inv):
     data = load_inventory(inv)
-    workers = pdr.pd_router_workers({"vllm_hosts": list(data["hosts"])}, data["hosts"], "vllm_hosts")
+    workers = pdr.pd_router_workers(load_cluster(ROOT / "inventory" / inv), list(data["hosts"]))
     s = {"kv_connector": "nixl", "host": "0.0.0.0", "port": 8000, "metrics_host": "0.0.0.0",  # noqa: S104
          "metrics_port": 29000, "policy": "round_robin", "prefill_policy": "cache_aware",
          "decode_policy": "round_robin", "igw": True}

@@ -16,6 +16,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jinja2
@@ -25,6 +26,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "observability"
+sys.path.insert(0, str(ROOT / "bench"))
+from pd_cluster import view_from  # noqa: E402
+
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 INVENTORIES = ("local", "b300")
 
@@ -83,12 +87,18 @@ def _filters(env: jinja2.Environment) -> None:
     env.filters["bool"] = lambda v: v if isinstance(v, bool) else str(v).lower() in ("true", "yes", "1", "on")
 
 
-def role_vars(inv_name: str, host: str | None = None, overrides: dict | None = None) -> dict:
-    """Template context of the role on `host` (default: the first monitoring host): hostvars + resolved defaults."""
+def role_vars(inv_name: str, host: str | None = None, overrides: dict | None = None,
+              host_overrides: dict | None = None) -> dict:
+    """Template context of the role on `host` (default: the first monitoring host): hostvars + resolved defaults,
+    and pd_cluster as playbooks/validate.yml publishes it (bench/pd_cluster.py; host_overrides: inventory vars set
+    on every host first)."""
     inv = load_inventory_full(inv_name)
+    for hv in inv["hostvars"].values():
+        hv.update(host_overrides or {})
     host = host or inv["groups"]["monitoring_hosts"][0]
     ctx = dict(inv["hostvars"][host])
-    ctx.update(groups=inv["groups"], hostvars=inv["hostvars"], ansible_managed="Ansible managed")
+    ctx.update(groups=inv["groups"], hostvars=inv["hostvars"], ansible_managed="Ansible managed",
+               pd_cluster=view_from(inv["groups"], inv["hostvars"]))
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
     defaults.update(overrides or {})
     env = jinja2.nativetypes.NativeEnvironment(undefined=jinja2.StrictUndefined)
@@ -128,9 +138,11 @@ def render_template(name: str, ctx: dict) -> str:
     return env.from_string(src).render(ctx)
 
 
-def render_role(inv_name: str, outdir: Path, overrides: dict | None = None) -> dict[str, Path]:
+def render_role(inv_name: str, outdir: Path, overrides: dict | None = None,
+                host_overrides: dict | None = None) -> dict[str, Path]:
     """Render prometheus.yml and the rule files into outdir (rule_files then point into outdir)."""
-    ctx = role_vars(inv_name, overrides={"observability_prometheus_rules_dir": str(outdir), **(overrides or {})})
+    ctx = role_vars(inv_name, overrides={"observability_prometheus_rules_dir": str(outdir), **(overrides or {})},
+                    host_overrides=host_overrides)
     out = {}
     for tpl, fname in (("pd-recording.yml.j2", "pd-recording.yml"), ("pd-alerts.yml.j2", "pd-alerts.yml"),
                        ("prometheus.yml.j2", "prometheus.yml")):

@@ -1,9 +1,10 @@
 """Filters of the pd_frontdoor role.
 
-``pd_frontdoor_backends(groups, hostvars, this_host, router_bind_host)`` -> the routers behind this host's front
-door: ``[{"name": "<host>/<unit>", "address": "ip:port", "mode": "pd"|"colocated"}]``, P/D routers first. This
-host's router units on 127.0.0.1; another router host's units at its ``ansible_host`` only when the routers bind
-a non-loopback address (else that host's front door alone reaches them). Units come from ``pd_router_units``.
+``pd_frontdoor_backends(cluster, this_host, router_bind_host)`` -> the routers behind this host's front door:
+``[{"name": "<host>/<unit>", "address": "ip:port", "mode": "pd"|"colocated"}]``, P/D routers first. This host's
+router units on 127.0.0.1; another router host's units at its address only when the routers bind a non-loopback
+address (else that host's front door alone reaches them). Routers and units come from the cluster view
+(``pd_cluster.routers``, checked once by playbooks/validate.yml: every router host has a P/D unit).
 
 ``pd_frontdoor_keys(keys)`` -> the keys, checked: at least one, 24-256 characters of a token alphabet (they are
 written into nginx's config as ``"Bearer <key>"``: no quotes, spaces or semicolons can get in), no duplicates.
@@ -31,29 +32,21 @@ def _fail(msg):
     raise AnsibleFilterError(msg)
 
 
-def pd_frontdoor_backends(groups, hostvars, this_host, router_bind_host="127.0.0.1", group="router_hosts"):
-    hosts = list((groups or {}).get(group) or [])
-    if this_host not in hosts:
-        _fail(f"pd_frontdoor: host '{this_host}' is not in group '{group}'; the front door runs on router hosts")
+def pd_frontdoor_backends(cluster, this_host, router_bind_host="127.0.0.1"):
+    if not isinstance(cluster, dict) or not isinstance(cluster.get("routers"), list):
+        _fail("pd_frontdoor: pd_cluster (the cluster view) is not defined; run the role through a playbook that "
+              "imports playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
+              "publishes pd_cluster to every host")
+    if this_host not in [r["host"] for r in cluster["routers"]]:
+        _fail(f"pd_frontdoor: host '{this_host}' is not in group 'router_hosts'; the front door runs on router hosts")
     remote_ok = not str(router_bind_host).startswith(_LOOPBACK)
     out = []
-    for host in hosts:
-        if host != this_host and not remote_ok:
+    for router in cluster["routers"]:
+        if router["host"] != this_host and not remote_ok:
             continue
-        hv = hostvars[host]
-        units = hv.get("pd_router_units")
-        if not isinstance(units, list) or not units:
-            _fail(f"pd_frontdoor: host '{host}': pd_router_units is missing or empty; list its router units in the "
-                  "inventory (group_vars/all/router.yml, see roles/pd_router/defaults/main.yml)")
-        addr = "127.0.0.1" if host == this_host else (hv.get("ansible_host") or host)
-        for idx, unit in enumerate(units):
-            if not isinstance(unit, dict) or unit.get("mode") not in ("pd", "colocated") \
-                    or not isinstance(unit.get("port"), int) or not unit.get("name"):
-                _fail(f"pd_frontdoor: host '{host}': pd_router_units[{idx}] is {unit!r}; give name, mode "
-                      "(pd | colocated) and an integer port")
-            out.append({"name": f"{host}/{unit['name']}", "address": f"{addr}:{unit['port']}", "mode": unit["mode"]})
-    if not any(b["mode"] == "pd" for b in out):
-        _fail("pd_frontdoor: no P/D router (pd_router_units entry with mode: pd) behind the front door")
+        addr = "127.0.0.1" if router["host"] == this_host else router["address"]
+        out += [{"name": f"{router['host']}/{u['name']}", "address": f"{addr}:{u['port']}", "mode": u["mode"]}
+                for u in router["units"]]
     return sorted(out, key=lambda b: b["mode"] != "pd")
 
 

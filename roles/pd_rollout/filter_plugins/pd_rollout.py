@@ -1,7 +1,8 @@
 """Filters of the pd_rollout role (drain-first, one instance at a time; docs/upgrades.md).
 
-``pd_rollout_topology(groups, hostvars, group)``: every ``pd_instances`` entry of ``group`` as
-``{name, host, pool, url, http_port}`` in inventory order (URL as the router knows it).
+``pd_rollout_topology(cluster, hosts)``: the instances of the cluster view (``pd_cluster``, validated once by
+playbooks/validate.yml) on ``hosts`` as ``{name, host, pool, url, http_port}`` in inventory order (URL as the
+router knows it).
 
 ``pd_rollout_order(topology)``: the host order of a rollout: hosts with prefill instances only, then the
 others (a host with the decode pool last); and per host its instances, prefill first.
@@ -38,27 +39,17 @@ def _fail(msg):
     raise AnsibleFilterError(msg)
 
 
-def pd_rollout_topology(groups, hostvars, group="vllm_hosts"):
-    hosts = list((groups or {}).get(group) or [])
-    if not hosts:
-        _fail(f"pd_rollout: group '{group}' is empty or missing")
-    out, seen = [], set()
-    for host in hosts:
-        hv = hostvars[host]
-        addr = hv.get("ansible_host") or host
-        for inst in hv.get("pd_instances") or []:
-            name, pool, port = inst.get("name"), inst.get("pool"), inst.get("http_port")
-            if not name or pool not in POOLS or not isinstance(port, int):
-                _fail(f"pd_rollout: host '{host}': instance {inst!r} needs name, pool (prefill|decode) and an "
-                      "integer http_port (docs/architecture.md)")
-            if name in seen:
-                _fail(f"pd_rollout: instance name '{name}' is used twice")
-            seen.add(name)
-            out.append({"name": name, "host": host, "pool": pool, "url": f"http://{addr}:{port}",
-                        "http_port": port})
+def pd_rollout_topology(cluster, hosts=None):
+    """The cluster view's instances on ``hosts`` (default every vLLM host) as {name, host, pool, url, http_port}."""
+    if not isinstance(cluster, dict) or not isinstance(cluster.get("instances"), list):
+        _fail("pd_rollout: pd_cluster (the cluster view) is not defined; run the role through a playbook that imports "
+              "playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
+              "publishes pd_cluster to every host")
+    out = [{"name": i["name"], "host": i["host"], "pool": i["pool"], "url": i["url"], "http_port": i["http_port"]}
+           for i in cluster["instances"] if hosts is None or i["host"] in hosts]
     for pool in POOLS:
         if not any(t["pool"] == pool for t in out):
-            _fail(f"pd_rollout: no {pool} instance in group '{group}'")
+            _fail(f"pd_rollout: no {pool} instance on the hosts of pd_rollout_worker_group ({', '.join(hosts or [])})")
     return out
 
 

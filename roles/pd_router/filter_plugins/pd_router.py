@@ -1,7 +1,8 @@
 """Filters of the pd_router role: the vllm-router command line, derived from the topology.
 
-``pd_router_workers(groups, hostvars, group)`` -> ``{"prefill": [...], "decode": [...]}``: one entry per
-``pd_instances`` item of every host in ``group`` (``name``, ``host``, ``url``), in inventory order.
+``pd_router_workers(cluster, hosts)`` -> ``{"prefill": [...], "decode": [...]}``: one entry (``name``, ``host``,
+``url``) per instance of the cluster view (``pd_cluster``, playbooks/validate.yml) on ``hosts``, in inventory order.
+The view is validated once there (names, pools, ports); this only selects.
 
 ``pd_router_argv(workers, settings)`` -> the argument list after the ``vllm-router`` executable. ``settings``
 holds the role's knobs (see defaults/main.yml); ``extra_args`` uses the bundle's flag convention
@@ -50,44 +51,20 @@ def _fail(msg):
     raise AnsibleFilterError(msg)
 
 
-def pd_router_workers(groups, hostvars, group="vllm_hosts"):
-    """Prefill and decode worker URLs of every instance of ``group``."""
-    hosts = list((groups or {}).get(group) or [])
-    if not hosts:
-        _fail(f"pd_router: group '{group}' is empty or missing; the router needs vLLM hosts "
-              "(add hosts to it in the inventory's hosts.yml)")
+def pd_router_workers(cluster, hosts=None):
+    """Prefill and decode workers of the cluster view's instances on ``hosts`` (default: every vLLM host)."""
+    if not isinstance(cluster, dict) or not isinstance(cluster.get("instances"), list):
+        _fail("pd_router: pd_cluster (the cluster view) is not defined; run the role through a playbook that imports "
+              "playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
+              "publishes pd_cluster to every host")
     out = {pool: [] for pool in POOLS}
-    seen_names, seen_urls = {}, {}
-    for host in hosts:
-        hv = hostvars[host]
-        addr = hv.get("ansible_host") or host
-        instances = hv.get("pd_instances")
-        if not isinstance(instances, list) or not instances:
-            _fail(f"pd_router: host '{host}': pd_instances is missing or empty "
-                  f"(define it in host_vars/{host}.yml, see docs/architecture.md)")
-        for idx, inst in enumerate(instances):
-            name = inst.get("name") if isinstance(inst, dict) else None
-            where = f"host '{host}', instance '{name or idx}'"
-            if not name:
-                _fail(f"pd_router: {where}: field 'name' is missing (give every pd_instances entry a unique name)")
-            pool = inst.get("pool")
-            if pool not in POOLS:
-                _fail(f"pd_router: {where}: field 'pool' is {pool!r}; set it to 'prefill' or 'decode'")
-            port = inst.get("http_port")
-            if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
-                _fail(f"pd_router: {where}: field 'http_port' is {port!r}; set an integer port 1-65535")
-            url = f"http://{addr}:{port}"
-            if name in seen_names:
-                _fail(f"pd_router: {where}: name '{name}' is also used on host '{seen_names[name]}'; "
-                      "instance names must be unique in the cluster")
-            if url in seen_urls:
-                _fail(f"pd_router: {where}: URL {url} is also instance '{seen_urls[url]}'; give it another http_port")
-            seen_names[name], seen_urls[url] = host, name
-            out[pool].append({"name": name, "host": host, "url": url})
+    for inst in cluster["instances"]:
+        if hosts is None or inst["host"] in hosts:
+            out[inst["pool"]].append({"name": inst["name"], "host": inst["host"], "url": inst["url"]})
     for pool in POOLS:
         if not out[pool]:
-            _fail(f"pd_router: no {pool} instance in group '{group}'; P/D needs at least one "
-                  f"(add an entry with pool: {pool} to some host's pd_instances)")
+            _fail(f"pd_router: no {pool} instance on the hosts of pd_router_worker_group ({', '.join(hosts or [])}); "
+                  f"P/D needs at least one (set pd_router_worker_group to a group with {pool} instances)")
     return out
 
 

@@ -1,0 +1,65 @@
+"""The cluster view for Python tools: the same module_utils/pd_topology.py cluster_view() that
+playbooks/validate.yml publishes as pd_cluster, fed from `ansible-inventory --list` (or from hostvars already read).
+
+    from pd_cluster import load
+    view = load("inventory/local")       # view["router_url"], view["instances"][0]["url"], view["prometheus_url"]
+
+One code path: view_inputs() picks each host's own value of the vars the view reads, else the owning role's
+default (roles/<role>/defaults/main.yml), exactly as validate.yml passes them to the pd_topology module.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "module_utils"))
+
+from pd_topology import VIEW_VARS, cluster_view, view_inputs  # noqa: E402
+
+ANSIBLE_INVENTORY = ROOT / ".venv" / "bin" / "ansible-inventory"
+
+
+def role_defaults() -> dict:
+    """role -> its defaults/main.yml, for the roles that own a var of the view (as validate.yml reads them)."""
+    roles = sorted({r for r in VIEW_VARS.values() if r})
+    return {r: yaml.safe_load((ROOT / "roles" / r / "defaults" / "main.yml").read_text()) or {} for r in roles}
+
+
+def view_from(groups: dict, hostvars: dict) -> dict:
+    """The view from groups (name -> hosts, inventory order) and hostvars (host -> vars, group vars merged)."""
+    own = {h: {k: v for k, v in (hostvars.get(h) or {}).items() if k in VIEW_VARS} for h in groups.get("all", [])}
+    return cluster_view(*view_inputs(groups, own, role_defaults()))
+
+
+def inventory_data(inventory: str | Path) -> tuple[dict, dict]:
+    """(groups, hostvars) of an inventory, from `ansible-inventory --list` (group vars merged into hostvars)."""
+    exe = str(ANSIBLE_INVENTORY) if ANSIBLE_INVENTORY.exists() else "ansible-inventory"
+    out = subprocess.run([exe, "-i", str(inventory), "--list"], capture_output=True, text=True, check=True,
+                         timeout=120).stdout
+    data = json.loads(out)
+    hostvars = data.get("_meta", {}).get("hostvars", {})
+
+    def members(group: str) -> list[str]:
+        node = data.get(group) or {}
+        hosts = list(node.get("hosts") or [])
+        for child in node.get("children") or []:
+            hosts += members(child)
+        return list(dict.fromkeys(hosts))
+
+    groups = {g: members(g) for g in ("all", "vllm_hosts", "router_hosts", "monitoring_hosts")}
+    return groups, hostvars
+
+
+def load(inventory: str | Path) -> dict:
+    """The cluster view of an inventory directory or file."""
+    return view_from(*inventory_data(inventory))
+
+
+if __name__ == "__main__":  # python bench/pd_cluster.py inventory/local  -> the view as JSON
+    print(json.dumps(load(sys.argv[1] if len(sys.argv) > 1 else ROOT / "inventory" / "local"), indent=2))

@@ -1,0 +1,117 @@
+"""The cluster view (module_utils/pd_topology.py cluster_view, published as pd_cluster by playbooks/validate.yml and
+loaded by bench/pd_cluster.py): on both real inventories it holds exactly what main's roles rendered from hostvars
+(values below were taken from main's rendered prometheus.yml, router units, rulesets and verify defaults)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "module_utils"))
+from pd_cluster import load  # noqa: E402
+from pd_topology import TopologyError, cluster_view  # noqa: E402
+
+
+@functools.cache
+def view(name):
+    return load(ROOT / "inventory" / name)
+
+
+def test_local_instances_router_and_prometheus():
+    v = view("local")
+    assert [(i["name"], i["host"], i["pool"], i["url"]) for i in v["instances"]] == [
+        ("prefill-0", "pd-prefill-0", "prefill", "http://10.237.0.11:8100"),
+        ("prefill-1", "pd-prefill-0", "prefill", "http://10.237.0.11:8101"),
+        ("decode-0", "pd-decode-0", "decode", "http://10.237.0.12:8200")]
+    assert v["pools"] == {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0"]}
+    assert v["router_url"] == "http://10.237.0.13:8000"
+    assert v["prometheus_url"] == "http://10.237.0.13:9090"
+    assert v["alertmanager_url"] == "http://10.237.0.13:9093"
+    # pd_rollout's registry tool runs on the first router host: its own P/D units on loopback.
+    assert v["pd_router_urls"] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+
+
+def test_local_prometheus_targets_are_mains():
+    t = view("local")["prometheus_targets"]
+    assert [(x["target"], x["labels"]) for x in t["vllm"]] == [
+        ("10.237.0.11:8100", {"pool": "prefill", "instance_name": "prefill-0", "host": "pd-prefill-0"}),
+        ("10.237.0.11:8101", {"pool": "prefill", "instance_name": "prefill-1", "host": "pd-prefill-0"}),
+        ("10.237.0.12:8200", {"pool": "decode", "instance_name": "decode-0", "host": "pd-decode-0"})]
+    assert [(x["target"], x["labels"]["router_unit"], x["labels"]["router_mode"]) for x in t["pd-router"]] == [
+        ("10.237.0.13:29000", "vllm-router", "pd"), ("10.237.0.13:29001", "vllm-router-2", "pd"),
+        ("10.237.0.13:29009", "vllm-router-colocated", "colocated")]
+    assert [x["target"] for x in t["pd-frontdoor"]] == ["10.237.0.13:3903"]
+    assert [(x["target"], x["labels"]["vllm_host"]) for x in t["node"]] == [
+        ("10.237.0.11:9100", "true"), ("10.237.0.12:9100", "true"), ("10.237.0.13:9100", "false")]
+
+
+def test_local_firewall_sets_are_mains():
+    fw = view("local")["firewall"]
+    assert fw["peers"] == ["10.237.0.11", "10.237.0.12", "10.237.0.13"]
+    assert fw["hosts"]["pd-prefill-0"] == {"instance_ports": [5600, 5610, 8100, 8101], "router_ports": [],
+                                           "client_ports": []}
+    assert fw["hosts"]["pd-decode-0"]["instance_ports"] == [5700, 8200]
+    assert fw["hosts"]["pd-router-0"] == {"instance_ports": [], "client_ports": [8000],
+                                          "router_ports": [3903, 8001, 8002, 8009, 29000, 29001, 29009]}
+
+
+def test_b300_view_is_mains():
+    v = view("b300")
+    assert [i["url"] for i in v["instances"]] == [
+        "http://192.0.2.11:8100", "http://192.0.2.11:8101", "http://192.0.2.12:8100", "http://192.0.2.12:8101",
+        "http://192.0.2.13:8200"]
+    assert v["router_url"] == "http://192.0.2.13:8000"  # router_hosts[0] is b300-03
+    assert v["prometheus_url"] == "http://192.0.2.13:9090"
+    assert v["pd_router_urls"] == ["http://127.0.0.1:8001", "http://192.0.2.12:8001"]
+    fw = v["firewall"]["hosts"]
+    assert fw["b300-01"]["instance_ports"] == [5600, 5601, 5602, 5603, 5610, 5611, 5612, 5613, 8100, 8101, 13345,
+                                               13355]
+    assert fw["b300-03"] == {"instance_ports": [5700, 5701, 5702, 5703, 5704, 5705, 5706, 5707, 8200, 13345],
+                             "router_ports": [3903, 8001, 8009, 29000, 29009], "client_ports": [8000]}
+    t = v["prometheus_targets"]
+    assert [x["target"] for x in t["dcgm"]] == ["192.0.2.11:9400", "192.0.2.12:9400", "192.0.2.13:9400"]
+    assert [x["labels"]["host"] for x in t["pd-frontdoor"]] == ["b300-03", "b300-02"]
+    assert [x["target"] for x in t["node"]] == ["192.0.2.11:9100", "192.0.2.12:9100", "192.0.2.13:9100"]
+
+
+def _hosts():
+    return {"h1": {"ansible_host": "10.0.0.1", "node_exporter_port": 9100, "pd_instances": [
+        {"name": "p", "pool": "prefill", "http_port": 8100, "nixl_side_channel_port": 5600, "dp_size": 2,
+         "dp_rpc_port": 13345},
+        {"name": "d", "pool": "decode", "http_port": 8200, "nixl_side_channel_port": 5700}]}}
+
+
+def _router(**over):
+    r = {"host": "r1", "address": "10.0.0.9", "client_port": 8000, "bind_host": "127.0.0.1",
+         "frontdoor_metrics_port": 3903, "node_exporter_port": 9100,
+         "units": [{"name": "vllm-router", "mode": "pd", "port": 8001, "metrics_port": 29000}]}
+    r.update(over)
+    return r
+
+
+def test_side_channel_range_and_dp_rpc_port_are_opened():
+    v = cluster_view(_hosts(), [_router()], [], ["10.0.0.1", "10.0.0.9"])
+    assert v["instances"][0]["nixl_side_channel_ports"] == [5600, 5601]
+    assert v["firewall"]["hosts"]["h1"]["instance_ports"] == [5600, 5601, 5700, 8100, 8200, 13345]
+    assert v["prometheus_url"] is None and v["alertmanager_url"] is None
+    assert v["router_url"] == "http://10.0.0.9:8000"
+
+
+@pytest.mark.parametrize(("router", "named"), [
+    (_router(units=[{"name": "vllm-router-c", "mode": "colocated", "port": 8009, "metrics_port": 29009}]),
+     "router host r1, field pd_router_units: no unit with mode: pd"),
+    (_router(units=[{"name": "vllm-router", "mode": "both", "port": 8001, "metrics_port": 29000}]),
+     "router host r1, field pd_router_units[0].mode: 'both' is not a mode"),
+    (_router(units=[{"name": "vllm-router", "mode": "pd", "port": "80x", "metrics_port": 29000}]),
+     "router host r1, field pd_router_units[0].port: '80x' is not a TCP port"),
+    (_router(units=None), "router host r1, field pd_router_units: missing or empty"),
+])
+def test_bad_router_input_is_named(router, named):
+    with pytest.raises(TopologyError) as exc:
+        cluster_view(_hosts(), [router], [], [])
+    assert named in str(exc.value)
