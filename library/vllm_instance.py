@@ -199,6 +199,14 @@ restart_required:
     - True when the unit or env content changed (the running process uses the old config), or when an
       earlier run changed them and the restart did not happen yet (RV(pending_path) exists).
     - The caller removes RV(pending_path) once the instance runs the new config (role vllm_serve does).
+    - False when RV(back_to_running).
+  returned: always
+  type: bool
+back_to_running:
+  description:
+    - True when a restart was pending and the files rendered now equal the saved previous state, which is what the
+      process runs (a change reverted after its restart failed); the files are put back and RV(pending_path) is
+      removed, with no restart.
   returned: always
   type: bool
 pending_path:
@@ -248,15 +256,23 @@ rollback_dir:
   returned: always (null with render_root)
   type: str
   sample: /etc/vllm/rollback
+rollback_files:
+  description:
+    - The files of the previous state, as a rollback puts them back (role pd_rollout copies each C(saved) to
+      C(dest) with C(mode) and C(group)); the copies exist once a change of a running instance was written.
+  returned: always (null with render_root)
+  type: list
+  elements: dict
+  sample: [{saved: /etc/vllm/rollback/prefill-a.env, dest: /etc/vllm/prefill-a.env, mode: "0640", group: vllm}]
 """
 
 import grp  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 import json  # noqa: E402
 import os  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.pd_files import atomic_write  # noqa: E402
 from ansible.module_utils.pd_parse_cache import cache_key, read_cache, write_cache  # noqa: E402
 from ansible.module_utils.pd_recipe import (  # noqa: E402
     CLI_LAUNCHER_MODULE,
@@ -460,24 +476,6 @@ def file_needs_attrs(path, mode, uid, gid):
     return gid is not None and st.st_gid != gid
 
 
-def atomic_write(path, content, mode, uid, gid):
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(content)
-            fh.flush()
-            os.fchmod(fh.fileno(), mode)
-            if uid is not None or gid is not None:
-                os.fchown(fh.fileno(), -1 if uid is None else uid, -1 if gid is None else gid)
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def set_attrs(path, mode, uid, gid):
     os.chmod(path, mode)
     if uid is not None or gid is not None:
@@ -492,23 +490,28 @@ def pinned_model_path(path):
     return target if os.path.isdir(target) else None
 
 
-def save_rollback(rollback_dir, name, before_texts, paths, *, uid, gid):
-    """Copy the files the instance runs now to rollback_dir (0750 root): unit, env (0640 root:gid), record."""
+def rollback_files(rollback_dir, name, paths, group):
+    """What save_rollback keeps and a rollback puts back: saved copy, live path, mode and group of each file."""
+    unit_path, env_path, rec_path = paths
+    return [
+        dict(saved=os.path.join(rollback_dir, name + ".service"), dest=unit_path, mode="0644", group="root"),
+        dict(saved=os.path.join(rollback_dir, name + ".env"), dest=env_path, mode="0640", group=group),
+        dict(saved=os.path.join(rollback_dir, name + RECORD_SUFFIX), dest=rec_path, mode="0644", group="root"),
+    ]
+
+
+def save_rollback(files, before_texts, *, uid, gid):
+    """Copy the files the instance runs now to their rollback copies (dir 0750 root), as rollback_files lists them."""
+    rollback_dir = os.path.dirname(files[0]["saved"])
     if not os.path.isdir(rollback_dir):
         os.makedirs(rollback_dir, mode=0o750, exist_ok=True)
-    unit_path, env_path, rec_path = paths
-    saved = (
-        (unit_path, name + ".service", 0o644, None),
-        (env_path, name + ".env", 0o640, gid),
-        (rec_path, name + RECORD_SUFFIX, 0o644, None),
-    )
-    for src, dest_name, mode, fgid in saved:
-        dest = os.path.join(rollback_dir, dest_name)
-        if before_texts.get(src) is None:
-            if os.path.exists(dest):  # no record before (a unit from an older bundle): no stale one either
-                os.unlink(dest)
+    for f in files:
+        if before_texts.get(f["dest"]) is None:
+            if os.path.exists(f["saved"]):  # no record before (a unit from an older bundle): no stale one either
+                os.unlink(f["saved"])
             continue
-        atomic_write(dest, before_texts[src], mode, uid, fgid if uid == 0 else None)
+        fgid = gid if f["group"] != "root" and uid == 0 else None
+        atomic_write(f["saved"], before_texts[f["dest"]], int(f["mode"], 8), uid, fgid)
 
 
 def under_root(render_root, path):
@@ -675,11 +678,20 @@ def main():
     result["pending_path"] = pending_path
     rollback_dir = None if render_root else os.path.join(p["env_dir"], ROLLBACK_DIR)
     result["rollback_dir"] = rollback_dir
+    saved_files = rollback_files(rollback_dir, name, (unit_path, env_path, rec_path), group) if rollback_dir else None
+    result["rollback_files"] = saved_files
     # What runs now: while a restart is pending, the state saved before that change; else what was on disk.
     result["running_record"] = parse_record(
         read_text(running_record_path(p["env_dir"], name, True)) if pending_before else before_texts[rec_path])
-    result["changed"] = content_changed or attrs_changed
-    result["restart_required"] = content_changed or pending_before
+    # Back to what runs: while a restart is pending (a change was written, its restart failed or never came), a
+    # render equal to the saved previous state is exactly what the process runs, so no restart is owed any more
+    # (an inventory reverted after a failed change, docs/runbooks/rollback.md).
+    rendered = {path: text for path, text, *_ in files}
+    back_to_running = pending_before and bool(saved_files) and all(
+        read_text(f["saved"]) == rendered[f["dest"]] for f in saved_files)
+    result["back_to_running"] = back_to_running
+    result["changed"] = content_changed or attrs_changed or back_to_running
+    result["restart_required"] = (content_changed or pending_before) and not back_to_running
     if module._diff:
         result["diff"] = diffs
 
@@ -690,12 +702,12 @@ def main():
     # while the restart is still pending must not replace it with the not-yet-running config.
     if content_changed and rollback_dir and not pending_before and not result["created"]:
         try:
-            save_rollback(rollback_dir, name, before_texts, (unit_path, env_path, rec_path), uid=root_uid, gid=gid)
+            save_rollback(saved_files, before_texts, uid=root_uid, gid=gid)
         except OSError as exc:
             module.fail_json(msg=f"instance {name}: cannot save the previous state to {rollback_dir}: {exc}",
                              **result)
 
-    if content_changed and pending_path and os.path.isdir(os.path.dirname(pending_path)):
+    if content_changed and not back_to_running and pending_path and os.path.isdir(os.path.dirname(pending_path)):
         try:
             atomic_write(pending_path, f"{uname}: unit or env changed; restart pending\n", 0o600, root_uid, None)
         except OSError as exc:
@@ -717,6 +729,11 @@ def main():
                 set_attrs(path, mode, uid, fgid)
         except OSError as exc:
             module.fail_json(msg=f"instance {name}: cannot write {path}: {exc}", **result)
+    if back_to_running:
+        try:
+            os.unlink(pending_path)
+        except FileNotFoundError:
+            pass
     module.exit_json(**result)
 
 

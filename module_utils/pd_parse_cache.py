@@ -13,7 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+
+try:  # as an Ansible module_util, and imported directly by tests/unit
+    from ansible.module_utils.pd_files import atomic_write
+except ImportError:  # pragma: no cover
+    from pd_files import atomic_write
 
 CACHE_MAX = 256
 
@@ -48,15 +52,5 @@ def read_cache(path):
 def write_cache(path, entries, keep=CACHE_MAX):
     """Write the newest `keep` entries (by their "at") atomically, 0644."""
     newest = sorted(entries.items(), key=lambda kv: kv[1].get("at", 0))[-keep:]
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(dict(newest), sort_keys=True, indent=1) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    atomic_write(path, json.dumps(dict(newest), sort_keys=True, indent=1) + "\n", 0o644)

@@ -159,7 +159,9 @@ def inventory(tmp_path, p0, p1, d0, router_url):
                 {"name": "prefill-1", "pool": "prefill", "http_port": p1.port, "nixl_side_channel_port": 5610}]},
             "hd": {**common, "pd_instances": [{"name": "decode-0", "pool": "decode", "http_port": d0.port,
                                                 "nixl_side_channel_port": 5700}]},
-        }}}}}
+        }},
+        # Every inventory has one (validate.yml requires it); the argument_spec's defaults name it.
+        "router_hosts": {"hosts": {"hp": {}}}}}}
     # The cluster view validate.yml would publish (the task files read pd_cluster), composed by the same code.
     hosts = inv["all"]["children"]["vllm_hosts"]["hosts"]
     inv["all"]["vars"]["pd_cluster"] = view_from({"all": list(hosts), "vllm_hosts": list(hosts)}, hosts)
@@ -246,11 +248,13 @@ INSTANCE_PLAYBOOK = """
   gather_facts: false
   tasks:
     - name: Roll
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: instance.yml}
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: instance}
       vars:
         pd_rollout_instance: "{{ pd_instances[0] }}"
         pd_rollout_target_record: {python: /q/bin/python, venv: /q, vllm_version: "1", nixl_version: "1",
                                    compat_key: k, model_revision: r2}
+        pd_rollout_pending_path: /nonexistent/.decode-0.restart-pending
+        pd_rollout_rollback_files: []
         pd_rollout_drain_timeout_s: 2
 """
 

@@ -436,6 +436,12 @@ def test_record_pins_the_revision_and_keeps_the_running_state_for_rollback(env, 
     assert (rollback / "prefill-0.service").read_text() == unit_v1
     assert (rollback / "prefill-0.record.json").read_text() == rec_v1
     assert (rollback / "prefill-0.env").read_text() == env_file(env).read_text()  # env did not change
+    # what a rollback copies back (role pd_rollout composes no path): each saved copy onto its live file
+    back = {Path(f["saved"]): Path(f["dest"]) for f in res["rollback_files"]}
+    assert back == {rollback / "prefill-0.service": unit_file(env), rollback / "prefill-0.env": env_file(env),
+                    rollback / "prefill-0.record.json": Path(res["record_path"])}
+    assert {f["dest"]: (f["mode"], f["group"]) for f in res["rollback_files"]}[str(env_file(env))][0] == "0640"
+    assert all(Path(f["saved"]).exists() for f in res["rollback_files"])
 
     # a second run before the restart (the first play failed): the rollback target stays what RUNS (rev1)
     _switch(served["link"], "rev1")
@@ -443,6 +449,31 @@ def test_record_pins_the_revision_and_keeps_the_running_state_for_rollback(env, 
     res, _ = run_module(vllm_instance.main, args2, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["restart_required"] and res["running_record"]["model_revision"] == "rev1"
     assert (rollback / "prefill-0.service").read_text() == unit_v1
+
+
+def test_reverting_a_change_whose_restart_never_came_owes_no_restart(env, served, monkeypatch):
+    """A change written, its restart failed (pending marker left), the inventory reverted: the render equals what
+    the process runs (the saved previous state), so the files go back and no restart is owed."""
+    args = served["args"]
+    res, _ = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    Path(res["pending_path"]).unlink()  # v1 runs
+    unit_v1 = unit_file(env).read_text()
+    changed = dict(args, instance=dict(args["instance"], extra_flags={"max-num-seqs": 8}))
+    res, _ = run_module(vllm_instance.main, changed, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert res["restart_required"] and Path(res["pending_path"]).exists()  # v2 written, restart owed
+
+    res, failed = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed, res
+    assert res["back_to_running"] and res["changed"] and not res["restart_required"]
+    assert unit_file(env).read_text() == unit_v1 and not Path(res["pending_path"]).exists()
+    res, _ = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not res["changed"] and not res["restart_required"] and not res["back_to_running"]
+
+    # a third state while v2 is pending is still a change of what runs (v1): restart owed
+    run_module(vllm_instance.main, changed, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    third = dict(args, instance=dict(args["instance"], extra_flags={"max-num-seqs": 4}))
+    res, _ = run_module(vllm_instance.main, third, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert res["restart_required"] and not res["back_to_running"] and Path(res["pending_path"]).exists()
 
 
 def test_compat_key_pairs_prefill_and_decode_of_one_revision_only(env, served, monkeypatch):
