@@ -293,7 +293,6 @@ from ansible.module_utils.pd_recipe import (  # noqa: E402
     render_env_file,
     render_record,
     render_unit,
-    running_record_path,
     serve_command,
     unit_name,
 )
@@ -680,15 +679,13 @@ def main():
     result["rollback_dir"] = rollback_dir
     saved_files = rollback_files(rollback_dir, name, (unit_path, env_path, rec_path), group) if rollback_dir else None
     result["rollback_files"] = saved_files
-    # What runs now: while a restart is pending, the state saved before that change; else what was on disk.
-    result["running_record"] = parse_record(
-        read_text(running_record_path(p["env_dir"], name, True)) if pending_before else before_texts[rec_path])
+    # What runs now: while a restart is pending, the state saved before that change (read once); else what is on disk.
+    running_texts = {f["dest"]: read_text(f["saved"]) for f in saved_files} if pending_before else before_texts
+    result["running_record"] = parse_record(running_texts[rec_path])
     # Back to what runs: while a restart is pending (a change was written, its restart failed or never came), a
     # render equal to the saved previous state is exactly what the process runs, so no restart is owed any more
     # (an inventory reverted after a failed change, docs/runbooks/rollback.md).
-    rendered = {path: text for path, text, *_ in files}
-    back_to_running = pending_before and bool(saved_files) and all(
-        read_text(f["saved"]) == rendered[f["dest"]] for f in saved_files)
+    back_to_running = pending_before and all(running_texts[path] == text for path, text, *_ in files)
     result["back_to_running"] = back_to_running
     result["changed"] = content_changed or attrs_changed or back_to_running
     result["restart_required"] = (content_changed or pending_before) and not back_to_running
