@@ -203,6 +203,7 @@ PLUGIN_ENV = {
     "PD_NIXL_PROGRESS_DELAY_US": (int, 0, "NIXL's UCX progress-thread poll delay in microseconds"),
     "PD_SHM_NOTIFY_HWM": (int, 1, "high-water mark of vLLM's shared-memory queue wake-up socket"),
     "PD_SHM_BUSY_LOOP_S": (float, 0, "seconds vLLM's shared-memory queue readers spin after a message"),
+    "PD_SHM_NOTIFY_READER_HWM": (int, 1, "wake-ups a shared-memory queue reader queues instead of conflating them"),
 }
 
 

@@ -35,6 +35,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from pd_cluster import inventory_data, view_from  # noqa: E402
 from pd_load import LoadGenerator, client_api_key  # noqa: E402
 
+# The steady load of the fault and change tests: open loop, 4 requests a second (at most 4 in flight), through the
+# front door. Closed-loop workers (concurrency 2, as fast as the stack answers: ~20 req/s) kept both cores busy
+# serving the test's own load, so every Ansible task and every engine start of the change under test ran slower: a
+# decode-only flag change took 323 s that way and 188 s at 4 req/s (765 requests, 0 failed; 2026-12-06). Each
+# change still sends hundreds of requests through every drain, restart and return to the router, and any failed
+# one fails the test.
+STEADY_LOAD = {"rate": 4.0, "concurrency": 4, "max_tokens": 8, "prompt_words": 32, "timeout": 300}
+
 
 def record(name: str, figures: dict) -> None:
     REPORTS.mkdir(parents=True, exist_ok=True)
@@ -285,8 +293,8 @@ def test_decode_kill_under_load_fails_no_request(inventory):
         return int(host_cmd(decode["host"], f"systemctl show -p NRestarts --value {unit}").strip())
 
     before = nrestarts()
-    gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], concurrency=2, max_tokens=8,
-                        prompt_words=32, timeout=300, api_key=client_api_key())
+    gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], api_key=client_api_key(),
+                        **STEADY_LOAD)
     gen.start()
     try:
         # Before the kill the stack serves P/D (so "colocated after the kill" is the fault's doing): requests
@@ -433,8 +441,8 @@ def change_through_site(inventory: dict, name: str, extra: dict | None) -> dict:
     wait_until_routed(inventory, 300, f"{name}, before the change")  # the load starts on a stack that routes
     before_reports = set(REPORTS.parent.glob("change-*.json"))
     revs_before = running_revisions(inventory)
-    gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], concurrency=2, max_tokens=8,
-                        prompt_words=32, timeout=300, api_key=client_api_key())
+    gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], api_key=client_api_key(),
+                        **STEADY_LOAD)
     watch = PairWatch(inventory)
     gen.start()
     watch.start()
