@@ -10,7 +10,9 @@ the re-check while the counter had already moved is a lost wake-up; on the engin
 
 Side by side, in one run, the same number of round trips:
 - ``conflate``: the reader as vLLM builds it (SUB with ZMQ_CONFLATE, vLLM's wait());
-- ``queued``:   the plugin's reader (SUB queueing up to the high-water mark, drained on every wake-up).
+- ``queued``:   the plugin's reader (SUB queueing up to the high-water mark, drained on every wake-up);
+- ``bare-conflate`` / ``bare-queue``: the same round trip with bare pyzmq sockets (one SUB polled alone, no vLLM),
+  where libzmq's conflating pipe loses wake-ups often enough to see in a few runs.
 
     .cache/vllm-venv/bin/python bench/shm_wakeups.py [--round-trips 200000] [--repeats 3]
 
@@ -32,7 +34,41 @@ PLUGIN_DIR = Path(__file__).resolve().parents[1] / "roles" / "vllm_install" / "f
 RECHECK_MS = 1000
 
 
+class _BareCondition:
+    """A PUB or SUB wake-up socket with vLLM's wait() shape, without vLLM (modes bare-conflate, bare-queue)."""
+
+    def __init__(self, mode: str, is_reader: bool, ctx, addr: str):
+        import zmq
+
+        self.zmq, self.queue = zmq, mode == "bare-queue"
+        self.sock = ctx.socket(zmq.SUB if is_reader else zmq.PUB)
+        if is_reader:
+            self.sock.setsockopt(zmq.RCVHWM if self.queue else zmq.CONFLATE, 1000 if self.queue else 1)
+            self.sock.setsockopt_string(zmq.SUBSCRIBE, "")
+            self.sock.connect(addr)
+            self.poller = zmq.Poller()
+            self.poller.register(self.sock, zmq.POLLIN)
+        else:
+            self.sock.setsockopt(zmq.SNDHWM, 1000)
+            self.sock.bind(addr)
+
+    def notify(self):
+        self.sock.send(b"\x00")
+
+    def wait(self, timeout_ms):
+        if self.sock in dict(self.poller.poll(timeout_ms)):
+            while True:
+                try:
+                    self.sock.recv(self.zmq.NOBLOCK)
+                except self.zmq.Again:
+                    return
+                if not self.queue:
+                    return
+
+
 def _condition(mode: str, is_reader: bool, ctx, addr: str):
+    if mode.startswith("bare-"):
+        return _BareCondition(mode, is_reader, ctx, addr)
     from vllm.distributed.device_communicators import shm_broadcast as sb
 
     cls = sb.SpinCondition
@@ -100,7 +136,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--round-trips", type=int, default=200_000, help="round trips per run (2 messages each)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved")
-    ap.add_argument("--modes", nargs="+", default=["conflate", "queued"], choices=["conflate", "queued"])
+    ap.add_argument("--modes", nargs="+", default=["conflate", "queued"],
+                    choices=["conflate", "queued", "bare-conflate", "bare-queue"])
     a = ap.parse_args(argv)
     try:
         import vllm  # noqa: F401

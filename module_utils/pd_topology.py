@@ -637,15 +637,20 @@ def _check_router(problems, router):
             problems.append(f"{where}, field pd_router_units[{idx}].mode: {_short(unit.get('mode'))} is not a mode; "
                             "use pd or colocated")
         for field in ("port", "metrics_port"):
-            if not _is_int(_as_port(unit.get(field))):
+            port = _as_port(unit.get(field))
+            if not _is_int(port) or not MIN_UNPRIVILEGED_PORT <= port <= 65535:
+                # the router units run as an unprivileged user without capabilities: no port below 1024
                 problems.append(f"{where}, field pd_router_units[{idx}].{field}: {_short(unit.get(field))} is not a "
-                                "TCP port; use an integer in 1024..65535")
+                                "port the unprivileged router can listen on; use an integer in 1024..65535")
     if not any(isinstance(u, dict) and u.get("mode") == "pd" for u in units):
         problems.append(f"{where}, field pd_router_units: no unit with mode: pd; a router host needs a P/D router")
     for field in ("client_port", "frontdoor_metrics_port"):
-        if not _is_int(_as_port(router.get(field))):
+        port = _as_port(router.get(field))
+        if not _is_int(port) or not 1 <= port <= 65535:
+            # nginx binds as root: a front door on 443 is fine
             name = "pd_router_port" if field == "client_port" else "pd_frontdoor_metrics_port"
-            problems.append(f"{where}, field {name}: {_short(router.get(field))} is not a TCP port")
+            problems.append(f"{where}, field {name}: {_short(router.get(field))} is not a TCP port; use an integer "
+                            "in 1..65535")
 
 
 def cluster_view(hosts, routers=(), monitoring=(), peers=()):

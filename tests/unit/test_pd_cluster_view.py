@@ -108,7 +108,13 @@ def test_side_channel_range_and_dp_rpc_port_are_opened():
     (_router(units=[{"name": "vllm-router", "mode": "both", "port": 8001, "metrics_port": 29000}]),
      "router host r1, field pd_router_units[0].mode: 'both' is not a mode"),
     (_router(units=[{"name": "vllm-router", "mode": "pd", "port": "80x", "metrics_port": 29000}]),
-     "router host r1, field pd_router_units[0].port: '80x' is not a TCP port"),
+     "router host r1, field pd_router_units[0].port: '80x' is not a port the unprivileged router can listen on"),
+    # the router units run unprivileged: a port below 1024 would fail only at start, on the host
+    (_router(units=[{"name": "vllm-router", "mode": "pd", "port": 80, "metrics_port": 29000}]),
+     "field pd_router_units[0].port: 80 is not a port the unprivileged router can listen on; use an integer in "
+     "1024..65535"),
+    (_router(units=[{"name": "vllm-router", "mode": "pd", "port": 8001, "metrics_port": 70000}]),
+     "field pd_router_units[0].metrics_port: 70000 is not a port"),
     (_router(units=None), "router host r1, field pd_router_units: missing or empty"),
 ])
 def test_bad_router_input_is_named(router, named):
