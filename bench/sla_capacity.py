@@ -152,7 +152,8 @@ class Point:
     passed: bool = False
     reason: str = ""
     result_file: str = ""
-    attempt: int = 1  # > 1: a failed rate measured again (--confirm-failures)
+    attempt: int = 1  # > 1: a rate measured again (--confirm-failures, --repeats)
+    timed_out: bool = False  # still running at --point-timeout (killed): overloaded
     prometheus: dict = field(default_factory=dict)
 
 
@@ -263,13 +264,66 @@ def budget_allows(elapsed_s: float, worst_s: float, contexts_after: int, budget_
     return budget_s is None or elapsed_s + worst_s * (1 + contexts_after) <= budget_s
 
 
-def rate_verdicts(points) -> list[tuple[float, bool]]:
-    """(rate, passed) per measured rate, in the order first measured: a rate measured again passes if any of its
-    points passed (--confirm-failures)."""
-    out: dict[float, bool] = {}
+def majority_verdict(passes: int, fails: int, repeats: int) -> bool | None:
+    """The verdict of a rate measured up to `repeats` times (--repeats): True once most of them passed, False once
+    most failed, None while undecided (measure it again)."""
+    need = repeats // 2 + 1
+    if passes >= need:
+        return True
+    if fails >= need:
+        return False
+    return None
+
+
+def decisive_miss(point: Point, sla: Sla, factor: float) -> bool:
+    """A miss that needs no repeat (--decisive-factor): the point did not finish within --point-timeout, or its mean
+    TTFT or mean TPOT is at least `factor` times the limit. Near the knee one rate's points spread up to 2x in mean
+    TPOT on this machine (13.1 and 26.5 ms at one rate), so only a miss well beyond that decides alone, and a pass
+    never does."""
+    if point.passed or factor <= 0:
+        return False
+    if point.timed_out:
+        return True
+    return ((point.mean_ttft_ms or 0.0) >= factor * sla.ttft_mean_ms
+            or (point.mean_tpot_ms or 0.0) >= factor * sla.tpot_mean_ms)
+
+
+def rate_verdicts(points, repeats: int = 1) -> list[tuple[float, bool]]:
+    """(rate, passed) per measured rate, in the order first measured. With --repeats 1 a rate measured again
+    passes if any of its points passed (--confirm-failures); with --repeats N it passes if most of its N points
+    pass, and a rate left undecided (a budget stopped it between repeats) counts as failed."""
+    groups: dict[float, list[bool]] = {}
     for p in points:
-        out[p.rate] = out.get(p.rate, False) or p.passed
-    return list(out.items())
+        groups.setdefault(p.rate, []).append(p.passed)
+    if repeats <= 1:
+        return [(rate, any(oks)) for rate, oks in groups.items()]
+    return [(rate, majority_verdict(sum(oks), len(oks) - sum(oks), repeats) is True) for rate, oks in groups.items()]
+
+
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def rate_summary(points: list[dict], repeats: int = 1) -> list[dict]:
+    """One row per measured rate (sorted by rate) from a report's points: its verdict (rate_verdicts' rule), how
+    many points, and the median of their mean TTFT, mean TPOT and goodput: of all its points with --repeats, of
+    the points that agree with the verdict otherwise (a rate confirmed by a second point: that point's figures)."""
+    by_rate: dict[float, list[dict]] = {}
+    for p in points:
+        by_rate.setdefault(p["rate"], []).append(p)
+    verdicts = dict(rate_verdicts([Point(context=p["context"], rate=p["rate"], num_prompts=p["num_prompts"],
+                                         passed=p["passed"]) for p in points], repeats))
+    rows = []
+    for rate, ps in sorted(by_rate.items()):
+        used = ps if repeats > 1 else [p for p in ps if p["passed"] == verdicts[rate]] or ps
+        rows.append({"rate": rate, "passed": verdicts[rate], "points": len(ps), "passes": sum(p["passed"] for p in ps),
+                     **{key: _median(p[key] for p in used)
+                        for key in ("mean_ttft_ms", "mean_tpot_ms", "request_goodput")}})
+    return rows
 
 
 def knee_of_sweep(results: list[tuple[float, bool]]) -> float:
@@ -372,6 +426,7 @@ def run_point(a, context: int, rate: float, result_dir: Path, log, *, attempt: i
         proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=a.point_timeout)
     except subprocess.TimeoutExpired:
         point.reason = f"did not finish within --point-timeout {a.point_timeout:g} s (overloaded)"
+        point.timed_out = True
         point.window_end = time.time()
         point.duration_s = point.window_end - started
         log(f"  c={context} rate={rate:g} n={n}: FAIL ({point.reason})")
@@ -430,8 +485,23 @@ def render_markdown(rep: dict) -> str:
     else:
         lines += ["| context (tokens) | knee (req/s) | first failing rate | goodput at knee (req/s) | "
                   "mean TTFT at knee (ms) | mean TPOT at knee (ms) | points |", "|---|---|---|---|---|---|---|"]
+        # a rate that passes above the first failing one: the curve is not monotone, a point was disturbed (the
+        # knee, the last pass before the first fail, is then too low); say so instead of showing a plain number
+        for c in rep["contexts"]:
+            above = [r["rate"] for r in rate_summary(c["points"], rep["params"].get("repeats", 1))
+                     if r["passed"] and c["fail_rate"] is not None and r["rate"] > c["fail_rate"]]
+            if above:
+                lines[-2:-2] = [f"**Not monotone** at {c['context']} tokens: {', '.join(f'{r:.3g}' for r in above)} "
+                                f"req/s passed above the first failing rate {c['fail_rate']:.3g}; a point there was "
+                                "disturbed (another load, a cold start), so the knee is a lower bound. Measure that "
+                                "context again.", ""]
+    repeats = rep["params"].get("repeats", 1)
+    if repeats > 1:
+        lines[-2:-2] = [f"Each rate measured up to {repeats} times; most of its points decide it (`--repeats`), "
+                        "and the figures at the max rate are the medians of its points.", ""]
     for c in rep["contexts"]:
-        best = next((p for p in c["points"] if p["passed"] and p["rate"] == c["max_rate"]), None)
+        best = next((r for r in rate_summary(c["points"], repeats) if r["passed"] and r["rate"] == c["max_rate"]),
+                    None)
         lines.append(f"| {c['context']} | **{c['max_rate']:.3g}** | {_fmt(c['fail_rate'], '.3g')} | "
                      f"{_fmt(best and best['request_goodput'], '.3f')} | {_fmt(best and best['mean_ttft_ms'])} | "
                      f"{_fmt(best and best['mean_tpot_ms'], '.1f')} | {len(c['points'])}"
@@ -449,7 +519,8 @@ def render_markdown(rep: dict) -> str:
     for c in rep["contexts"]:
         for p in c["points"]:
             pr = p["prometheus"]
-            again = " (again)" if p.get("attempt", 1) > 1 else ""
+            again = (f" (#{p.get('attempt', 1)})" if repeats > 1
+                     else " (again)" if p.get("attempt", 1) > 1 else "")
             lines.append(
                 f"| {p['context']} | {p['rate']:.3g}{again} | {p['num_prompts']} | {p['completed']}/{p['failed']} | "
                 f"{_fmt(p['mean_ttft_ms'])} ({_fmt(p['p99_ttft_ms'])}) | {_fmt(p['mean_tpot_ms'], '.1f')} "
@@ -470,6 +541,7 @@ def plot_report(rep: dict, out_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     sla = rep["sla"]
+    repeats = rep["params"].get("repeats", 1)
     made = []
     specs = [("ttft.png", "mean_ttft_ms", "mean TTFT (ms)", sla["ttft_mean_ms"], "SLA mean TTFT"),
              ("tpot.png", "mean_tpot_ms", "mean TPOT (ms)", sla["tpot_mean_ms"], "SLA mean TPOT"),
@@ -477,11 +549,16 @@ def plot_report(rep: dict, out_dir: Path) -> list[str]:
     for fname, key, label, limit, limit_label in specs:
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
         for c in rep["contexts"]:
-            pts = sorted((p["rate"], p[key], p["passed"]) for p in c["points"] if p[key] is not None)
+            # one value per rate: its point's, or the median of its points (repeats); the single points faint
+            pts = [(r["rate"], r[key], r["passed"]) for r in rate_summary(c["points"], repeats) if r[key] is not None]
             if not pts:
                 continue
             xs, ys, _ = zip(*pts, strict=True)
-            line, = ax.plot(xs, ys, marker="o", label=f"{c['context']} tokens")
+            line, = ax.plot(xs, ys, marker="o", label=f"{c['context']} tokens"
+                            + (" (median of repeats)" if repeats > 1 else ""))
+            singles = [(p["rate"], p[key]) for p in c["points"] if p[key] is not None]
+            if len(singles) > len(pts):
+                ax.scatter(*zip(*singles, strict=True), marker=".", s=25, alpha=0.4, color=line.get_color())
             failed = [(x, y) for x, y, o in pts if not o]
             if failed:
                 ax.scatter(*zip(*failed, strict=True), marker="x", s=60, color=line.get_color(), zorder=3)
@@ -505,7 +582,8 @@ def plot_report(rep: dict, out_dir: Path) -> list[str]:
             ax.set_ylabel(f"{label}, log scale")
         else:
             ax.set_ylim(bottom=0)
-        ax.set_title(f"{label} vs request rate ({rep['mode']}); x = misses SLA, dotted = max rate")
+        ax.set_title(f"{label} vs request rate ({rep['mode']}); x = misses SLA, dotted = max rate"
+                     + ("; dots = single points" if repeats > 1 else ""))
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -562,9 +640,16 @@ def parse_args(argv):
     ap.add_argument("--sla-tpot-ms", type=float, help="override pd_sla.tpot_mean_ms (reported as an override)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scrape-interval", type=float, default=15.0, help="Prometheus scrape interval (s)")
-    ap.add_argument("--confirm-failures", type=int, default=1,
+    ap.add_argument("--confirm-failures", type=int,
                     help="measure a failing rate this many more times; it fails only if every point fails "
-                         "(0: one point decides)")
+                         "(0: one point decides; default 1, and 0 with --repeats)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure each rate up to N times (odd) and take the majority verdict, stopping once it is "
+                         "decided (near the knee one point's mean TPOT spreads +-20 %% on shared cores); replaces "
+                         "--confirm-failures")
+    ap.add_argument("--decisive-factor", type=float, default=2.5,
+                    help="with --repeats: a point that misses by this factor (mean TTFT or TPOT >= F x its limit) "
+                         "or runs into --point-timeout fails its rate without repeats (0: every point counts)")
     ap.add_argument("--finer-sweep", action="store_true", help="uniform sweep of rates instead of the search")
     ap.add_argument("--sweep-points", type=int, default=9)
     ap.add_argument("--sweep-min", type=float, help="lowest rate (default 0.6 x the compared max rate)")
@@ -592,8 +677,17 @@ def parse_args(argv):
     a.api_key = Path(a.api_key_file).read_text().strip() if Path(a.api_key_file).is_file() else ""
     if not Path(a.vllm_python).exists():
         raise UsageError(f"--vllm-python: {a.vllm_python} does not exist; give the python of a vLLM venv")
+    if a.repeats < 1 or a.repeats % 2 == 0:
+        raise UsageError(f"--repeats {a.repeats}: must be an odd number >= 1 (a majority needs no tie-break)")
+    if a.confirm_failures is None:
+        a.confirm_failures = 1 if a.repeats == 1 else 0
     if a.confirm_failures < 0:
         raise UsageError(f"--confirm-failures {a.confirm_failures}: must be >= 0")
+    if a.decisive_factor < 0 or 0 < a.decisive_factor <= 1:
+        raise UsageError(f"--decisive-factor {a.decisive_factor:g}: must be 0 (off) or > 1 (a miss by that factor)")
+    if a.repeats > 1 and a.confirm_failures:
+        raise UsageError(f"--repeats {a.repeats} with --confirm-failures {a.confirm_failures}: choose one (the "
+                         "majority of --repeats points decides a rate; drop --confirm-failures)")
     low, high = a.sweep_factors
     if not 0 < low < high:
         raise UsageError(f"--sweep-factors {low:g} {high:g}: need 0 < LOW < HIGH (e.g. 0.8 1.25)")
@@ -635,7 +729,7 @@ def main(argv=None) -> int:
            "params": {k: getattr(a, k) for k in ("start_rate", "precision", "min_rate", "max_points",
                                                   "point_seconds", "min_prompts", "max_prompts", "point_timeout",
                                                   "budget_s", "prometheus_timeout", "seed",
-                                                  "confirm_failures")},
+                                                  "confirm_failures", "repeats", "decisive_factor")},
            "contexts": []}
     t0 = time.time()
     budget_t0 = clock()
@@ -649,13 +743,27 @@ def main(argv=None) -> int:
             contexts_after = len(contexts) - 1 - i
 
             def measure(rate, ctx=ctx, measured=measured, contexts_after=contexts_after):
-                # A rate fails only when each of its 1 + --confirm-failures points fails: what disturbs a point
-                # on shared cores (another job, a stall) only slows it down, it never makes an overloaded rate pass.
-                for attempt in range(1, a.confirm_failures + 2):
+                # --repeats N: most of up to N points decide (it stops once they do). --repeats 1: a rate fails
+                # only when each of its 1 + --confirm-failures points fails: what disturbs a point on shared cores
+                # (another job, a stall) only slows it down, it never makes an overloaded rate pass.
+                passes = fails = 0
+                for attempt in range(1, max(a.repeats, a.confirm_failures + 1) + 1):
                     if not budget_allows(clock() - budget_t0, worst, contexts_after, a.budget_s):
                         raise BudgetSpent(f"--budget-s {a.budget_s:g}: no time left for a point at {rate:g} req/s")
                     p = run_point(a, ctx, rate, raw_dir, log, attempt=attempt)
                     measured.append(p)
+                    passes, fails = passes + p.passed, fails + (not p.passed)
+                    if a.repeats > 1:
+                        if decisive_miss(p, a.plan.sla, a.decisive_factor):
+                            log(f"  c={ctx} rate={rate:g}: FAIL without repeats (--decisive-factor "
+                                f"{a.decisive_factor:g}: {p.reason})")
+                            return False
+                        verdict = majority_verdict(passes, fails, a.repeats)
+                        if verdict is not None:
+                            log(f"  c={ctx} rate={rate:g}: {passes} of {passes + fails} points passed -> "
+                                f"{'PASS' if verdict else 'FAIL'} (--repeats {a.repeats})")
+                            return verdict
+                        continue
                     if p.passed:
                         return True
                     if attempt <= a.confirm_failures:
@@ -679,7 +787,7 @@ def main(argv=None) -> int:
             except BudgetSpent as exc:
                 log(f"  {exc}; context {ctx} stops after {len(measured)} points")
                 budget_limited = True
-                results = rate_verdicts(measured)
+                results = rate_verdicts(measured, a.repeats)
                 # what the search (lo: the highest pass) or the sweep (its knee) would say of these points
                 max_rate = (knee_of_sweep(results) if a.finer_sweep
                             else max((r for r, ok in results if ok), default=0.0))
@@ -704,9 +812,10 @@ def main(argv=None) -> int:
         interrupted = str(exc) or type(exc).__name__
         log(f"sla_capacity: stopped ({interrupted}); writing the report of the points measured")
         if measured and not recorded:
-            passed = [p.rate for p in measured if p.passed]
-            rep["contexts"].append({"context": measured[0].context, "max_rate": max(passed, default=0.0),
-                                    "fail_rate": min((p.rate for p in measured if not p.passed), default=None),
+            results = rate_verdicts(measured, a.repeats)
+            rep["contexts"].append({"context": measured[0].context,
+                                    "max_rate": max((r for r, ok in results if ok), default=0.0),
+                                    "fail_rate": min((r for r, ok in results if not ok), default=None),
                                     "incomplete": True, "points": [asdict(p) for p in measured]})
     rep["wall_s"] = round(time.time() - t0, 1)
     if interrupted:

@@ -337,3 +337,37 @@ def test_tls_when_a_certificate_is_given(tmp_path):
             assert err.value.code == 401
     finally:
         up.close()
+
+
+@needs_nginx
+def test_connection_limit_tasks_edit_debians_nginx_conf_and_nginx_accepts_it(tmp_path):
+    # 2026-12-06 on the local stack: Debian's `worker_connections 768` made nginx answer 500 to 240 of 1245 requests
+    # ("worker_connections are not enough") once ~380 were in flight. The role's two lineinfile tasks, as written in
+    # tasks/main.yml, run by ansible-playbook against a copy of this machine's Debian nginx.conf.
+    tasks = yaml.safe_load((ROLE / "tasks" / "main.yml").read_text())
+    edits = [t for t in tasks if t.get("ansible.builtin.lineinfile", {}).get("path") == "/etc/nginx/nginx.conf"]
+    assert len(edits) == 2
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(Path("/etc/nginx/nginx.conf").read_text())
+    for t in edits:
+        t["ansible.builtin.lineinfile"]["path"] = str(conf)
+        t.pop("notify", None)
+    play = [{"name": "Connection limit", "hosts": "localhost", "gather_facts": False,
+             "vars": {"pd_frontdoor_worker_connections": 4096}, "tasks": edits}]
+    (tmp_path / "pb.yml").write_text(yaml.safe_dump(play))
+    env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": str(ROOT / ".venv" / "bin") + ":/usr/bin:/bin",
+           "ANSIBLE_FACT_CACHING": "memory"}
+
+    def apply():
+        p = subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                            str(tmp_path / "pb.yml")], capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+        assert p.returncode == 0, p.stdout[-3000:]
+        return p.stdout
+
+    assert "changed=2" in apply()
+    text = conf.read_text()
+    assert "\tworker_connections 4096;" in text and "worker_connections 768" not in text
+    assert text.index("worker_rlimit_nofile 8192;") < text.index("events {")
+    assert "changed=0" in apply()  # idempotent
+    check = subprocess.run([NGINX, "-t", "-q", "-c", str(conf)], capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stderr

@@ -171,6 +171,17 @@ def test_metric_sum_by_label():
     assert ro.pd_rollout_metric_sum(METRICS, "vllm:nope") is None
 
 
+def test_never_deployed_only_when_no_instance_has_a_record():
+    fresh = {"prefill-0": {"source": "none"}, "prefill-1": {"source": "none"}}
+    assert ro.pd_rollout_never_deployed([fresh, {"decode-0": {"source": "none"}}]) is True
+    # one record anywhere (deployed, or a restart pending with its saved state): one host at a time
+    assert ro.pd_rollout_never_deployed([fresh, {"decode-0": {"source": "current"}}]) is False
+    assert ro.pd_rollout_never_deployed([fresh, {"decode-0": {"source": "rollback"}}]) is False
+    # no state read at all (a host whose facts play did not run): not a first deploy
+    assert ro.pd_rollout_never_deployed([]) is False
+    assert ro.pd_rollout_never_deployed([{}, {}]) is False
+
+
 def test_compat_key_follows_versions_and_compat_flags_only():
     argv = ["/m", "--dtype", "bfloat16", "--max-num-seqs", "8", "--enforce-eager"]
     base = compat_key(argv, "0.32.0", "1.5.1")

@@ -38,6 +38,7 @@ class Instance:
         self.name, self.text, self.log = name, text, []
         self.running, self.kv_tokens = 0, 0.0
         self.pd_text, self.count_kv = None, True  # faults: P/D answer differs, no KV-transfer counted
+        self.kv_usage, self.metrics_gets = [0.0], 0  # vllm:kv_cache_usage_perc per /metrics read (last one stays)
         inst = self
 
         class H(BaseHTTPRequestHandler):
@@ -60,7 +61,10 @@ class Instance:
                 if self.path == "/v1/models":
                     return self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
                 if self.path == "/metrics":
+                    inst.metrics_gets += 1
+                    usage = inst.kv_usage.pop(0) if len(inst.kv_usage) > 1 else inst.kv_usage[0]
                     return self._send(200, (
+                        f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {usage}\n'
                         f'vllm:num_requests_running{{engine="0",model_name="m"}} {inst.running}.0\n'
                         'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
                         'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} '
@@ -284,3 +288,35 @@ def test_instance_with_another_nixl_is_refused_before_the_drain(tmp_path):
     assert "Nothing was drained or restarted" in out
     reg = {w["url"]: w["worker_type"] for w in json.loads(text)["workers"]}
     assert reg[f"http://127.0.0.1:{d0.port}"] == "decode" and len(reg) == 3  # never taken out
+
+
+SETTLE_PLAYBOOK = """
+- name: Drain wait of one instance
+  hosts: "{{ which }}"
+  gather_facts: false
+  vars:
+    _pd_rollout_inst: "{{ pd_instances[0] }}"
+  tasks:
+    - name: Wait idle
+      ansible.builtin.include_role: {name: pd_rollout, tasks_from: wait_idle.yml}
+      vars: {pd_rollout_drain_settle_s: "{{ settle }}"}
+"""
+
+
+@pytest.mark.parametrize("which,usage,settle,reads", [
+    # a prefill instance whose last KV blocks are pulled after two polls: waits for that, not the whole bound
+    ("hp", [0.0, 0.25, 0.25, 0.0], 20, 5),
+    # blocks never released (a decode died mid-pull): the bound, then on to the restart as before
+    ("hp", [0.25], 3, 6),
+    # a drained decode instance has no pull left: no KV wait at all, even with its usage up
+    ("hd", [0.25], 20, 2),
+])
+def test_drain_waits_for_a_prefills_kv_blocks_bounded(tmp_path, which, usage, settle, reads):
+    p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
+    inst = p0 if which == "hp" else d0
+    inst.kv_usage = list(usage)
+    inv = inventory(tmp_path, p0, p1, d0, "http://127.0.0.1:1")
+    p = run(tmp_path, inv, SETTLE_PLAYBOOK, ("-e", f"which={which}", "-e", f"settle={settle}"))
+    assert p.returncode == 0, p.stdout[-3000:]
+    # reads of /metrics: the queue wait, the KV polls (until 0, or 1 + ceil(settle / poll) of them), the idle check
+    assert inst.metrics_gets == reads

@@ -16,6 +16,9 @@ are left, whole requests go to the remaining prefill instances as regular (coloc
 ``pd_rollout_queue(metrics_text)``: ``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` summed over
 every label set of a vLLM ``/metrics`` page; None when neither metric is there.
 
+``pd_rollout_never_deployed(states)``: True when the per-host ``pd_rollout_state`` dicts name at least one instance
+and none of them has a record (``source`` none): a first deploy, where every host may start at once.
+
 The compatibility keys come from the instances' records (``compat_key``, computed once by
 ``module_utils/pd_recipe.py`` when ``vllm_instance`` renders the unit; read back by ``pd_instance_state``).
 """
@@ -143,6 +146,11 @@ def pd_rollout_metric_sum(metrics_text, name, labels=None):
     return total if found else None
 
 
+def pd_rollout_never_deployed(states):
+    sources = [inst.get("source") for state in states or [] for inst in (state or {}).values()]
+    return bool(sources) and all(src == "none" for src in sources)
+
+
 def pd_rollout_partner(topology, keys, name, key):
     """Name of an instance of the other pool with compatibility key ``key`` (for the P/D smoke), or ''."""
     me = next((t for t in topology if t["name"] == name), None)
@@ -166,6 +174,7 @@ class FilterModule:
             "pd_rollout_routing_mode": pd_rollout_routing_mode,
             "pd_rollout_keys": pd_rollout_keys,
             "pd_rollout_metric_sum": pd_rollout_metric_sum,
+            "pd_rollout_never_deployed": pd_rollout_never_deployed,
             "pd_rollout_partner": pd_rollout_partner,
             "pd_rollout_queue": pd_rollout_queue,
         }
