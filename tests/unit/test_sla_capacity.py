@@ -372,31 +372,46 @@ def test_rate_summary_takes_the_median_of_a_rates_points():
     assert rows[0]["mean_tpot_ms"] == 9.0 and rows[0]["points"] == 1
 
 
-def test_repeats_take_the_majority_of_each_rate_and_stop_once_decided(tmp_path, monkeypatch):
-    # 2026-12-06 on the live stack: six 30-s points at one rate (256 tokens, 20 req/s) spread 13.3-21.7 ms mean TPOT
-    # around the 20 ms limit; a single point (or the first pass of a few) places the knee by luck. Synthetic: capacity
-    # 5 req/s; every third point is disturbed (fails whatever the rate), so a rate below capacity passes 2 of 3.
-    now = [0.0]
+def _scripted_points(monkeypatch, outcome) -> list:
+    """run_point replaced by synthetic points, 1 s each on the budget's clock: outcome(rate, n) -> (passed,
+    mean_ttft_ms, mean_tpot_ms) for the n-th point measured (1-based). Returns the (rate, attempt) list, in order."""
+    now, seen = [0.0], []
     monkeypatch.setattr(cap, "clock", lambda: now[0])
-    seen = []
 
     def run_point(a, context, rate, result_dir, log, *, attempt=1):
         now[0] += 1.0
         seen.append((rate, attempt))
-        ok = rate < 5.0 and len(seen) % 3 != 0
-        return cap.Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=300.0 if ok else 9e3,
-                         mean_tpot_ms=5.0 if ok else 30.0, request_goodput=rate if ok else 0.0, passed=ok,
-                         reason="synthetic", attempt=attempt)
+        ok, ttft, tpot = outcome(rate, len(seen))
+        return cap.Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=ttft, mean_tpot_ms=tpot,
+                         request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic", attempt=attempt)
 
     monkeypatch.setattr(cap, "run_point", run_point)
+    return seen
+
+
+def _points_per_rate(seen) -> dict:
+    """How many points each rate took (its last attempt number)."""
+    out: dict[float, int] = {}
+    for rate, attempt in seen:
+        out[rate] = max(out.get(rate, 0), attempt)
+    return out
+
+
+def test_repeats_take_the_majority_of_each_rate_and_stop_once_decided(tmp_path, monkeypatch):
+    # 2026-12-06 on the live stack: six 30-s points at one rate (256 tokens, 20 req/s) spread 13.3-21.7 ms mean TPOT
+    # around the 20 ms limit; a single point (or the first pass of a few) places the knee by luck. Synthetic: capacity
+    # 5 req/s; every third point is disturbed (fails whatever the rate), so a rate below capacity passes 2 of 3.
+    def outcome(rate, n):
+        ok = rate < 5.0 and n % 3 != 0
+        return ok, (300.0 if ok else 9e3), (5.0 if ok else 30.0)
+
+    seen = _scripted_points(monkeypatch, outcome)
     assert cap.main(_argv(tmp_path, "--contexts", "256", "--repeats", "3", "--max-points", "14",
                           "--decisive-factor", "0")) == 0  # every miss counts as one of 3 (see the next test)
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     (ctx,) = rep["contexts"]
     assert ctx["max_rate"] < 5.0 < ctx["fail_rate"] and ctx["fail_rate"] / ctx["max_rate"] - 1.0 <= 0.1
-    per_rate = {}
-    for rate, attempt in seen:
-        per_rate[rate] = max(per_rate.get(rate, 0), attempt)
+    per_rate = _points_per_rate(seen)
     # a rate is decided by 2 agreeing points, a third only when the first two disagree; never a fourth
     assert set(per_rate.values()) <= {2, 3} and 3 in per_rate.values()
     assert all(n == 2 for r, n in per_rate.items() if r >= 5.0)  # above capacity: fail, fail
@@ -410,27 +425,17 @@ def test_a_miss_far_beyond_the_sla_fails_its_rate_without_repeats(tmp_path, monk
     # 2026-12-06, 3072 tokens at 24.7 req/s: mean TTFT 36.7 s and 35.4 s against 2.5 s; repeating such a point only
     # costs time (on b300 up to --point-timeout each). Synthetic: capacity 5 req/s; 5-8 req/s miss by 1.5x (TPOT 30 ms:
     # repeated like any miss), 8 and above by 4x (TPOT 80 ms: decided by one point).
-    now = [0.0]
-    monkeypatch.setattr(cap, "clock", lambda: now[0])
-    seen = []
-
-    def run_point(a, context, rate, result_dir, log, *, attempt=1):
-        now[0] += 1.0
-        seen.append((rate, attempt))
+    def outcome(rate, n):
         tpot = 5.0 if rate < 5.0 else 30.0 if rate < 8.0 else 80.0
-        ok = tpot <= 20.0
-        return cap.Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=300.0, mean_tpot_ms=tpot,
-                         request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic", attempt=attempt)
+        return tpot <= 20.0, 300.0, tpot
 
-    monkeypatch.setattr(cap, "run_point", run_point)
+    seen = _scripted_points(monkeypatch, outcome)
     assert cap.main(_argv(tmp_path, "--contexts", "256", "--repeats", "3", "--max-points", "14",
                           "--start-rate", "2")) == 0
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     (ctx,) = rep["contexts"]
     assert ctx["max_rate"] < 5.0 < ctx["fail_rate"]
-    attempts = {}
-    for rate, attempt in seen:
-        attempts[rate] = max(attempts.get(rate, 0), attempt)
+    attempts = _points_per_rate(seen)
     assert attempts[8.0] == 1  # 4x the TPOT limit: one point
     assert all(n == 2 for r, n in attempts.items() if 5.0 <= r < 8.0)  # 1.5x: repeated like any miss
     assert all(n == 2 for r, n in attempts.items() if r < 5.0)  # passes never decide alone
@@ -461,10 +466,7 @@ def test_bad_repeats_are_refused_before_measuring(tmp_path, monkeypatch, capsys,
 def test_a_sweep_that_passes_above_its_first_failing_rate_says_it_is_not_monotone(tmp_path, monkeypatch):
     # 2026-12-06, 3072 tokens: the sweep's first rate (8.56 req/s, right after the 256-token rates had overloaded the
     # stack) failed twice, 9.13 then passed twice: the knee (last pass before the first fail) came out 0.
-    monkeypatch.setattr(cap, "run_point", lambda a, context, rate, result_dir, log, *, attempt=1: cap.Point(
-        context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=300.0,
-        mean_tpot_ms=30.0 if rate < 8.7 or rate > 9.5 else 10.0, request_goodput=rate,
-        passed=8.7 < rate < 9.5, reason="synthetic", attempt=attempt))
+    _scripted_points(monkeypatch, lambda rate, n: (8.7 < rate < 9.5, 300.0, 10.0 if 8.7 < rate < 9.5 else 30.0))
     assert cap.main(_argv(tmp_path, "--contexts", "3072", "--finer-sweep", "--sweep-min", "8.56",
                           "--sweep-max", "11.42", "--sweep-points", "6", "--repeats", "3")) == 1
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
