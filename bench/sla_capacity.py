@@ -154,6 +154,7 @@ class Point:
     result_file: str = ""
     attempt: int = 1  # > 1: a rate measured again (--confirm-failures, --repeats)
     timed_out: bool = False  # still running at --point-timeout (killed): overloaded
+    seed: int = 0  # of its prompts and arrivals (next_seed)
     prometheus: dict = field(default_factory=dict)
 
 
@@ -356,6 +357,11 @@ PROM_QUERIES = {
     "kv_xfer_mean_s": "sum by (pool) (increase(vllm:nixl_xfer_time_seconds_sum[{w}]))"
                       " / sum by (pool) (increase(vllm:nixl_xfer_time_seconds_count[{w}]))",
     "kv_xfer_failed": "sum by (pool) (increase(vllm:nixl_num_failed_transfers_total[{w}]))",
+    # share of prompt tokens served from the prefix cache: ~0 for the random dataset on a real vocabulary; a model
+    # with a small vocabulary (the embedded default's: 512 tokens, so at most ~512 distinct random prompts of one
+    # length) serves most prefills from the cache once a context's prompts have been seen
+    "prefix_cache_hit_rate": "sum by (pool) (increase(vllm:prefix_cache_hits_total[{w}]))"
+                             " / sum by (pool) (increase(vllm:prefix_cache_queries_total[{w}]))",
 }
 
 
@@ -396,34 +402,85 @@ def read_prometheus(url: str, end: float, duration_s: float, scrape_s: float, ti
 
 
 # ----------------------------------------------------------------------------------------- vllm bench serve
-def bench_command(a, context: int, rate: float, num_prompts: int, *, result_dir: Path, name: str) -> list[str]:
+def bench_command(a, context: int, rate: float, num_prompts: int, *, result_dir: Path, name: str, seed: int,
+                  max_concurrency: int | None = None) -> list[str]:
+    """`vllm bench serve` of one point: num_prompts random prompts of `context` tokens at Poisson `rate` (inf: all
+    at once, bounded by max_concurrency); `seed` draws the prompts and the arrival times."""
     sla = a.plan.sla
+    bound = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
     return [
         a.vllm_python, "-m", "pd_vllm_cli", "bench", "serve",
         "--backend", "vllm", "--base-url", a.base_url, "--endpoint", "/v1/completions",
         "--model", a.plan.model, "--tokenizer", a.tokenizer,
         "--dataset-name", "random", "--random-input-len", str(context),
         "--random-output-len", str(a.plan.output_len), "--random-range-ratio", "0",
-        "--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}", "--ignore-eos",
-        "--seed", str(a.seed), "--disable-tqdm",
+        "--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}", *bound, "--ignore-eos",
+        "--seed", str(seed), "--disable-tqdm",
         "--goodput", f"ttft:{sla.ttft_mean_ms:g}", f"tpot:{sla.tpot_mean_ms:g}",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
     ]
 
 
-def run_point(a, context: int, rate: float, result_dir: Path, log, *, attempt: int = 1) -> Point:
-    n = prompts_for(rate, a.point_seconds, a.min_prompts, a.max_prompts)
-    point = Point(context=context, rate=rate, num_prompts=n, attempt=attempt)
-    name = f"c{context}-r{rate:g}.json" if attempt == 1 else f"c{context}-r{rate:g}-{attempt}.json"
-    cmd = bench_command(a, context, rate, n, result_dir=result_dir, name=name)
+def next_seed(a) -> int:
+    """--seed, then one more for every `vllm bench serve` run (points and warm-ups). vLLM's random dataset draws
+    the same prompts from the same seed: with one seed for every point, each point after a context's first re-sent
+    the prompts of the one before and was served from the prefix cache (a capacity of cache hits, not prefills)."""
+    seed = a.seed + a.bench_runs
+    a.bench_runs += 1
+    return seed
+
+
+def _bench_env(a) -> dict:
     # only pd_vllm_cli on the path: a PYTHONPATH of this (control venv, other Python) process would shadow the
     # vLLM venv's own packages (numpy of another Python version)
     env = dict(os.environ, PYTHONPATH=str(PD_VLLM_CLI_DIR))
     if a.api_key:
         env["OPENAI_API_KEY"] = a.api_key  # vllm/benchmarks/lib/endpoint_request_func.py sends it as Bearer
+    return env
+
+
+def _bench_failed(proc) -> RuntimeError:
+    tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
+    return RuntimeError(f"vllm bench serve exited {proc.returncode}: {' | '.join(tail)}")
+
+
+def run_warmup(a, context: int, result_dir: Path, log) -> dict:
+    """--warmup-prompts requests of `context` tokens, --warmup-concurrency at a time, before the context's first
+    point, not measured: what a context's first requests meet and later ones do not (a fresh engine's first long
+    prompts; on a small vocabulary, a prefix cache still empty of this length's few distinct prompts) stays out of
+    the points. Returns what the report shows of it."""
+    name = f"warmup-c{context}.json"
+    info = {"prompts": a.warmup_prompts, "concurrency": a.warmup_concurrency, "result_file": name}
+    cmd = bench_command(a, context, math.inf, a.warmup_prompts, result_dir=result_dir, name=name,
+                        seed=next_seed(a), max_concurrency=a.warmup_concurrency)
     started = time.time()
     try:
-        proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=a.point_timeout)
+        proc = subprocess.run(cmd, check=False, env=_bench_env(a), capture_output=True, text=True,
+                              timeout=a.point_timeout)
+    except subprocess.TimeoutExpired:
+        info.update(timed_out=True, duration_s=round(time.time() - started, 1))
+        log(f"  c={context} warm-up: did not finish within --point-timeout {a.point_timeout:g} s")
+        return info
+    out = result_dir / name
+    if proc.returncode != 0 or not out.is_file():
+        raise _bench_failed(proc)
+    data = json.loads(out.read_text())
+    info.update(completed=data.get("completed"), failed=data.get("failed", a.warmup_prompts - data.get("completed", 0)),
+                duration_s=round(float(data.get("duration", 0.0)), 1), mean_ttft_ms=data.get("mean_ttft_ms"))
+    log(f"  c={context} warm-up: {info['completed']}/{a.warmup_prompts} requests at concurrency "
+        f"{a.warmup_concurrency} in {info['duration_s']:g} s (not measured)")
+    return info
+
+
+def run_point(a, context: int, rate: float, result_dir: Path, log, *, attempt: int = 1) -> Point:
+    n = prompts_for(rate, a.point_seconds, a.min_prompts, a.max_prompts)
+    point = Point(context=context, rate=rate, num_prompts=n, attempt=attempt, seed=next_seed(a))
+    name = f"c{context}-r{rate:g}.json" if attempt == 1 else f"c{context}-r{rate:g}-{attempt}.json"
+    cmd = bench_command(a, context, rate, n, result_dir=result_dir, name=name, seed=point.seed)
+    started = time.time()
+    try:
+        proc = subprocess.run(cmd, check=False, env=_bench_env(a), capture_output=True, text=True,
+                              timeout=a.point_timeout)
     except subprocess.TimeoutExpired:
         point.reason = f"did not finish within --point-timeout {a.point_timeout:g} s (overloaded)"
         point.timed_out = True
@@ -433,8 +490,7 @@ def run_point(a, context: int, rate: float, result_dir: Path, log, *, attempt: i
         return point
     out = result_dir / name
     if proc.returncode != 0 or not out.is_file():
-        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
-        raise RuntimeError(f"vllm bench serve exited {proc.returncode}: {' | '.join(tail)}")
+        raise _bench_failed(proc)
     parse_bench_result(json.loads(out.read_text()), point)
     point.result_file = name
     point.window_end = out.stat().st_mtime
@@ -514,8 +570,9 @@ def render_markdown(rep: dict) -> str:
                          f"{_fmt(row['rel_diff'] and row['rel_diff'] * 100, '+.1f')} % |")
     lines += ["", "![TTFT](ttft.png) ![TPOT](tpot.png) ![goodput](goodput.png)", "", "## Points (in order measured)",
               "", "| context | rate | prompts | done/failed | mean TTFT ms (p99) | mean TPOT ms (p99) | goodput | "
-              "verdict | Prometheus TTFT ms per pool | TPOT ms per pool | MTP acceptance | KV xfer ms | load 1m |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "verdict | Prometheus TTFT ms per pool | TPOT ms per pool | MTP acceptance | KV xfer ms | "
+              "prefix cache hits % | load 1m |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in rep["contexts"]:
         for p in c["points"]:
             pr = p["prometheus"]
@@ -527,9 +584,21 @@ def render_markdown(rep: dict) -> str:
                 f"({_fmt(p['p99_tpot_ms'], '.1f')}) | {_fmt(p['request_goodput'], '.3f')} | "
                 f"{'PASS' if p['passed'] else 'FAIL'}: {p['reason']} | {_pools(pr, 'ttft_mean_s', 1000, '.0f')} | "
                 f"{_pools(pr, 'tpot_mean_s', 1000, '.1f')} | {_pools(pr, 'mtp_acceptance', 1, '.2f')} | "
-                f"{_pools(pr, 'kv_xfer_mean_s', 1000, '.1f')} | {_fmt(p.get('load_avg_1m'), '.1f')} |")
+                f"{_pools(pr, 'kv_xfer_mean_s', 1000, '.1f')} | {_pools(pr, 'prefix_cache_hit_rate', 100, '.0f')} | "
+                f"{_fmt(p.get('load_avg_1m'), '.1f')} |")
+    warm = [(c["context"], c["warmup"]) for c in rep["contexts"] if c.get("warmup")]
+    if warm:
+        lines += ["", "Warm-up before each context's first point (not measured): " + "; ".join(
+            f"{ctx} tokens: " + (f"skipped ({w['skipped']})" if w.get("skipped") else
+                                 f"{w['prompts']} requests, {w['concurrency']} at a time, "
+                                 + ("did not finish within --point-timeout" if w.get("timed_out") else
+                                    f"{w.get('completed')} completed in {w.get('duration_s'):g} s"))
+            for ctx, w in warm) + "."]
     lines += ["", "Prometheus figures: means over each point's own window (`window` in report.json) from the raw "
-              "vLLM counters, per pool; `n/a` = no such event in the window (e.g. no MTP on this model).",
+              "vLLM counters, per pool; `n/a` = no such event in the window (e.g. no MTP on this model). "
+              "Prefix cache hits: the share of prompt tokens served from the cache; every point has its own seed "
+              "(its own random prompts), so it stays near 0 on a real vocabulary; a high share means the point "
+              "measured cache hits, not prefills (a small vocabulary has few distinct random prompts).",
               "", f"Command: `{rep['command']}`", ""]
     return "\n".join(lines)
 
@@ -650,6 +719,11 @@ def parse_args(argv):
     ap.add_argument("--decisive-factor", type=float, default=2.5,
                     help="with --repeats: a point that misses by this factor (mean TTFT or TPOT >= F x its limit) "
                          "or runs into --point-timeout fails its rate without repeats (0: every point counts)")
+    ap.add_argument("--warmup-prompts", type=int, default=16,
+                    help="before each context's first point, this many requests of that context, not measured "
+                         "(0: none); a fresh engine's first long prompts, and a small vocabulary's prefix cache, "
+                         "are not what later points meet")
+    ap.add_argument("--warmup-concurrency", type=int, default=4, help="warm-up requests in flight at a time")
     ap.add_argument("--finer-sweep", action="store_true", help="uniform sweep of rates instead of the search")
     ap.add_argument("--sweep-points", type=int, default=9)
     ap.add_argument("--sweep-min", type=float, help="lowest rate (default 0.6 x the compared max rate)")
@@ -677,6 +751,10 @@ def parse_args(argv):
     a.api_key = Path(a.api_key_file).read_text().strip() if Path(a.api_key_file).is_file() else ""
     if not Path(a.vllm_python).exists():
         raise UsageError(f"--vllm-python: {a.vllm_python} does not exist; give the python of a vLLM venv")
+    if a.warmup_prompts < 0 or a.warmup_concurrency < 1:
+        raise UsageError(f"--warmup-prompts {a.warmup_prompts} / --warmup-concurrency {a.warmup_concurrency}: need "
+                         "prompts >= 0 (0: no warm-up) and concurrency >= 1")
+    a.bench_runs = 0  # next_seed: every vllm bench serve run gets its own seed
     if a.repeats < 1 or a.repeats % 2 == 0:
         raise UsageError(f"--repeats {a.repeats}: must be an odd number >= 1 (a majority needs no tie-break)")
     if a.confirm_failures is None:
@@ -729,7 +807,8 @@ def main(argv=None) -> int:
            "params": {k: getattr(a, k) for k in ("start_rate", "precision", "min_rate", "max_points",
                                                   "point_seconds", "min_prompts", "max_prompts", "point_timeout",
                                                   "budget_s", "prometheus_timeout", "seed",
-                                                  "confirm_failures", "repeats", "decisive_factor")},
+                                                  "confirm_failures", "repeats", "decisive_factor",
+                                                  "warmup_prompts", "warmup_concurrency")},
            "contexts": []}
     t0 = time.time()
     budget_t0 = clock()
@@ -772,6 +851,14 @@ def main(argv=None) -> int:
 
             log(f"context {ctx} tokens ({rep['mode']})")
             budget_limited = False
+            warmup = None
+            if a.warmup_prompts:
+                # bounded by --point-timeout like a point: the budget must allow it and still keep its points
+                if budget_allows(clock() - budget_t0, worst, contexts_after + 1, a.budget_s):
+                    warmup = run_warmup(a, ctx, raw_dir, log)
+                else:
+                    warmup = {"prompts": a.warmup_prompts, "skipped": "--budget-s"}
+                    log(f"  c={ctx} warm-up skipped: --budget-s {a.budget_s:g} keeps its time for the points")
             try:
                 if a.finer_sweep:
                     base = next((c["max_rate"] for c in (baseline or {}).get("contexts", [])
@@ -800,6 +887,7 @@ def main(argv=None) -> int:
             unconverged = (not a.finer_sweep and not budget_limited and max_rate > 0
                            and (fail_rate is None or fail_rate / max_rate - 1.0 > a.precision))
             rep["contexts"].append({"context": ctx, "max_rate": max_rate, "fail_rate": fail_rate,
+                                    **({"warmup": warmup} if warmup else {}),
                                     **({"budget_limited": True} if budget_limited else {}),
                                     **({"unconverged": True} if unconverged else {}),
                                     "points": [asdict(p) for p in measured]})

@@ -111,8 +111,8 @@ cluster:
     - C(routers) (router_hosts order) each with host, address, client_port, url (its front door), bind_host,
       frontdoor_metrics_port and units (name, mode, port, metrics_port, url).
     - C(router_url) the clients' URL (the first router host's front door); C(pd_router_urls) every P/D router unit
-      as the first router host reaches it (its own on loopback); C(prometheus_url); C(alertmanager_url) (null where
-      none is deployed).
+      as the first router host reaches it (its own on loopback); C(prometheus_url); C(alertmanager) {host, url}, its
+      API as its own host reaches it (loopback for the default listener; null where none is deployed).
     - C(prometheus_targets) job (vllm, pd-router, pd-frontdoor, node, dcgm) -> [{target, labels}].
     - C(firewall) C(peers) (every host's ansible_host and pd_firewall_host_addresses) and C(hosts) host ->
       {instance_ports, router_ports, client_ports}.

@@ -235,11 +235,15 @@ entry_point_checked:
   returned: always
   type: bool
 record:
-  description: The record written to RV(record_path) (what the unit on disk runs).
+  description:
+    - The record written to RV(record_path) (what the unit on disk runs).
+    - C(plugins) has the sha256 (16 hex) of the source of every vllm.general_plugins entry point in the unit's venv;
+      a change of plugin code changes the record, so the instance restarts (drain first) like for a flag change.
   returned: always
   type: dict
   sample: {schema: 1, instance: prefill-a, pool: prefill, model_revision: 0123abcd, vllm_version: 0.32.0,
-           nixl_version: 0.7.1, compat_key: "vllm=0.32.0;nixl=0.7.1;flags=3f2a9c1b7d0e", api_server_count: 4}
+           nixl_version: 0.7.1, compat_key: "vllm=0.32.0;nixl=0.7.1;flags=3f2a9c1b7d0e", api_server_count: 4,
+           plugins: {pd_shm_notify: 5be0c2a1d9f3e874}}
 record_path:
   description: Path of the record (under render_root when set).
   returned: always
@@ -269,6 +273,7 @@ rollback_files:
 import grp  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 import json  # noqa: E402
 import os  # noqa: E402
+import posixpath  # noqa: E402
 import time  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
@@ -289,6 +294,7 @@ from ansible.module_utils.pd_recipe import (  # noqa: E402
     env_file_path,
     parse_record,
     pending_marker,
+    plugin_digests,
     record_path,
     render_env_file,
     render_record,
@@ -626,8 +632,10 @@ def main():
             vllm_version, nixl_version = versions.get("version"), versions.get("nixl")
     else:
         module.warn(f"instance {name}: validate_flags=false, flags were NOT checked with vLLM's argument parser")
+    # the plugins vLLM loads from the unit's venv (a render on the control node has none of it: {})
+    plugins = {} if render_root else plugin_digests(posixpath.dirname(posixpath.dirname(p["python"])))
     record = build_record(instance, python=p["python"], command=command, argv=argv, servers=servers,
-                          vllm_version=vllm_version, nixl_version=nixl_version)
+                          vllm_version=vllm_version, nixl_version=nixl_version, plugins=plugins)
     result["record"] = record
 
     gid = None

@@ -9,9 +9,12 @@ Bad input raises RecipeError with a message naming the instance, the field and t
 
 from __future__ import annotations
 
+import configparser
+import glob
 import hashlib
 import json
 import math
+import os
 import posixpath
 import re
 
@@ -790,7 +793,39 @@ def model_revision(model_path):
     return posixpath.basename(model_path.rstrip("/")) if parent == "revisions" else None
 
 
-def build_record(instance, *, python, command, argv, servers, vllm_version, nixl_version):
+PLUGIN_GROUP = "vllm.general_plugins"
+
+
+def plugin_digests(venv):
+    """{entry point: sha256 (16 hex) of its module's source} of every vLLM plugin in the venv (entry point group
+    vllm.general_plugins: vLLM imports each one in every process it starts, the bundle's own pd_* plugins among
+    them). In the record, a change of plugin code restarts the instance through the change path as a change of
+    its flags does; without it the engines ran the old code until their next restart. A package plugin is hashed
+    by its __init__.py. {} where the venv is not on this host (a review render on the control node)."""
+    out = {}
+    for site in sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages"))):
+        for ep_file in sorted(glob.glob(os.path.join(site, "*.dist-info", "entry_points.txt"))):
+            parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
+            parser.optionxform = str  # entry point names keep their case
+            try:
+                parser.read(ep_file, encoding="utf-8")
+            except (OSError, UnicodeDecodeError, configparser.Error):
+                continue  # not ours to judge: vLLM skips what it cannot load, so does the record
+            if not parser.has_section(PLUGIN_GROUP):
+                continue
+            for name, target in parser.items(PLUGIN_GROUP):
+                rel = target.split(":", 1)[0].strip().replace(".", "/")
+                source = next((os.path.join(site, c) for c in (rel + ".py", rel + "/__init__.py")
+                               if os.path.isfile(os.path.join(site, c))), None)
+                if source is None:
+                    out[name] = "missing"
+                    continue
+                with open(source, "rb") as fh:
+                    out[name] = hashlib.sha256(fh.read()).hexdigest()[:16]
+    return out
+
+
+def build_record(instance, *, python, command, argv, servers, vllm_version, nixl_version, plugins=None):
     """What the unit on disk runs, machine-readable: the change path reads this, never the unit text."""
     return {
         "schema": RECORD_SCHEMA,
@@ -807,6 +842,7 @@ def build_record(instance, *, python, command, argv, servers, vllm_version, nixl
         "nixl_version": nixl_version,
         "compat_key": compat_key(argv, vllm_version, nixl_version),
         "api_server_count": servers,
+        "plugins": dict(plugins or {}),
     }
 
 

@@ -546,6 +546,7 @@ VIEW_VARS = {
     "observability_prometheus_port": "observability",
     "observability_alertmanager_enabled": "observability",
     "observability_alertmanager_port": "observability",
+    "observability_alertmanager_listen_address": "observability",
     "observability_dcgm_exporter_port": "observability",
     "node_exporter_port": "node_exporter",
 }
@@ -579,6 +580,17 @@ def _url(address, port):
     return f"http://{host}:{port}"
 
 
+def _alertmanager_api(mon):
+    """The Alertmanager API as its own host reaches it ({host, url}; None where none is deployed): the role's default
+    listener is loopback only (observability_alertmanager_listen_address), so callers run there (delegate_to host);
+    a wildcard listener answers on loopback too."""
+    if not mon or mon.get("alertmanager_port") is None:
+        return None
+    listen = str(mon.get("alertmanager_listen_address") or "")
+    local = listen in ("", "0.0.0.0", "::") or listen.startswith(_LOOPBACK_PREFIXES)  # noqa: S104 (a comparison: a wildcard listener)
+    return {"host": mon["host"], "url": _url("127.0.0.1" if local else listen, _as_port(mon["alertmanager_port"]))}
+
+
 def view_inputs(groups, hostvars, defaults):
     """The view's input from raw inventory data: groups (name -> hosts, inventory order), hostvars (host -> the
     VIEW_VARS it sets) and defaults (role -> its defaults/main.yml). Returns (hosts, routers, monitoring, peers):
@@ -607,6 +619,7 @@ def view_inputs(groups, hostvars, defaults):
     monitoring = [{"host": h, "address": address(h), "prometheus_port": var(h, "observability_prometheus_port"),
                    "alertmanager_port": (var(h, "observability_alertmanager_port")
                                          if _truthy(var(h, "observability_alertmanager_enabled")) else None),
+                   "alertmanager_listen_address": var(h, "observability_alertmanager_listen_address"),
                    "dcgm_exporter_port": var(h, "observability_dcgm_exporter_port")}
                   for h in groups.get("monitoring_hosts") or []]
     # Every inventory host's ansible_host (a host without one adds none) and its pd_firewall_host_addresses.
@@ -658,7 +671,8 @@ def cluster_view(hosts, routers=(), monitoring=(), peers=()):
 
     hosts: validate_topology's vLLM hosts (host -> {ansible_host, pd_instances, node_exporter_port}), inventory
     order. routers: [{host, address, client_port, bind_host, units, frontdoor_metrics_port, node_exporter_port}].
-    monitoring: [{host, address, prometheus_port, alertmanager_port (None: not deployed), dcgm_exporter_port}].
+    monitoring: [{host, address, prometheus_port, alertmanager_port (None: not deployed),
+    alertmanager_listen_address, dcgm_exporter_port}].
     peers: the addresses every host's firewall admits as cluster peers. view_inputs() builds all four from the
     inventory. Raises TopologyError when the router input is unusable.
     """
@@ -735,8 +749,7 @@ def cluster_view(hosts, routers=(), monitoring=(), peers=()):
         "router_url": view_routers[0]["url"] if view_routers else None,
         "pd_router_urls": pd_router_urls,
         "prometheus_url": _url(first_mon["address"], _as_port(first_mon["prometheus_port"])) if first_mon else None,
-        "alertmanager_url": (_url(first_mon["address"], _as_port(first_mon["alertmanager_port"]))
-                             if first_mon and first_mon.get("alertmanager_port") is not None else None),
+        "alertmanager": _alertmanager_api(first_mon),
         "prometheus_targets": targets,
         "firewall": {"peers": sorted({str(p).strip() for p in peers}), "hosts": firewall},
     }

@@ -129,6 +129,13 @@ def host_cmd(host: str, command: str, timeout: int = 120, check: bool = True, ss
     return proc.stdout
 
 
+def host_http_json(host: str, url: str) -> dict:
+    """GET a JSON answer on `host` itself (Alertmanager listens on loopback there)."""
+    return json.loads(host_cmd(host, shlex.join([
+        "python3", "-c", "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read()"
+                         ".decode())", url])))
+
+
 def complete_through_router(inventory: dict, prompt: str = "Q: 3+4= A:", max_tokens: int = 4) -> dict:
     return http_json(f"{inventory['router_url']}/v1/completions",
                      {"model": inventory["model"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
@@ -476,6 +483,14 @@ def change_through_site(inventory: dict, name: str, extra: dict | None) -> dict:
     router = inventory["router_host"]
     for reg in router_registries(inventory):
         assert sorted({w["worker_type"] for w in reg}) == ["decode", "prefill"], (router, reg)
+    # each restarted instance's own alerts were silenced for its restart, and the silence is over now that it is back
+    am = cluster()[0]["alertmanager"]
+    for inst in instances:
+        assert inst.get("alert_silence"), f"{inst['instance']} restarted without an Alertmanager silence: {inst}"
+        silence = host_http_json(am["host"], f"{am['url']}/api/v2/silence/{inst['alert_silence']}")
+        assert silence["status"]["state"] == "expired", silence
+        assert {m["name"]: m["value"] for m in silence["matchers"]} == {
+            "instance_name": inst["instance"], "host": inst["host"]}, silence
     return figures
 
 

@@ -52,10 +52,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # first one's max rate, which the longer context misses, and brackets its knee from above (CI 2026-12-05: 32 and
 # 16 req/s missed, 8 and 11.3 met at 3072 tokens). --budget-s stops starting points that could end past it. One
 # point per rate (--confirm-failures 0): the bounds below count points, and 8-s points are a smoke of the method,
-# not a capacity (docs/verify.md: 30-s points, failures confirmed).
+# not a capacity (docs/verify.md: 30-s points, repeats, a warm-up the size of the tiny vocabulary). A warm-up of 8
+# requests before each context's first point (within --budget-s like a point).
 FLAGS = {"--context-points": 2, "--start-rate": 4, "--min-rate": 0.1, "--max-points": 4, "--point-seconds": 8,
          "--min-prompts": 4, "--point-timeout": 60, "--prometheus-timeout": 2, "--confirm-failures": 0,
-         "--budget-s": BOUND_S - START_AND_REPORT_S}
+         "--warmup-prompts": 8, "--warmup-concurrency": 4, "--budget-s": BOUND_S - START_AND_REPORT_S}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,7 @@ def test_small_capacity_search_through_the_front_door(stack_info):
     summary = {"wall_s": wall_s, "search_wall_s": rep["wall_s"], "worst_case_s": worst, "exit": rc,
                "flags": FLAGS, "report": str(OUT_DIR.relative_to(ROOT)),
                "contexts": [{"context": c["context"], "max_rate": c["max_rate"], "fail_rate": c["fail_rate"],
-                             "budget_limited": c.get("budget_limited", False),
+                             "budget_limited": c.get("budget_limited", False), "warmup": c.get("warmup"),
                              "points": [{k: p[k] for k in ("rate", "num_prompts", "completed", "failed",
                                                            "mean_ttft_ms", "mean_tpot_ms", "passed", "reason")}
                                         for p in c["points"]]} for c in rep["contexts"]]}
@@ -183,6 +184,14 @@ def test_small_capacity_search_through_the_front_door(stack_info):
                      and p["mean_ttft_ms"] <= info["ttft_limit_ms"] and p["mean_tpot_ms"] <= info["tpot_limit_ms"])
             assert p["passed"] == meets, (ctx, p)
     assert completed_points, "no point completed a single request through the front door"
+    # a warm-up ran before the first context's points (the budget may skip a later one), every request completed,
+    # and every vllm bench serve run had its own seed: no point re-sent the prompts of the one before
+    warmups = [c.get("warmup") or {} for c in rep["contexts"]]
+    assert warmups[0].get("completed") == FLAGS["--warmup-prompts"], warmups
+    assert all(w.get("skipped") == "--budget-s" or w.get("completed") == FLAGS["--warmup-prompts"]
+               for w in warmups), warmups
+    seeds = [p["seed"] for c in rep["contexts"] for p in c["points"]]
+    assert len(set(seeds)) == len(seeds), f"points share a seed (the same prompts): {seeds}"
 
     # Prometheus read back per pool over each point's window: some completed point has per-pool mean TTFT figures
     per_pool_ttft = [p["prometheus"].get("ttft_mean_s") for p in completed_points]

