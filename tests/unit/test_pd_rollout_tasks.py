@@ -14,14 +14,14 @@ import sys
 import textwrap
 import threading
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pd_router_workers import call, router  # noqa: E402
+from test_pd_router_workers import QuietJSONHandler, call, router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -42,19 +42,7 @@ class Instance:
         self.kv_usage, self.metrics_gets = [0.0], 0  # vllm:kv_cache_usage_perc per /metrics read (last one stays)
         inst = self
 
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code, obj, ctype="application/json"):
-                body = (json.dumps(obj) if ctype == "application/json" else obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        class H(QuietJSONHandler):
 
             def do_GET(self):
                 if self.path == "/health":
@@ -331,17 +319,7 @@ class Alertmanager:
         self.calls = []
         am = self
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code, obj):
-                body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        class H(QuietJSONHandler):
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))

@@ -126,6 +126,24 @@ def test_igw_argv_is_accepted_by_the_real_router_and_registry_is_the_topology(in
 
 # ---------- the real router in front of stub workers ----------
 
+class QuietJSONHandler(BaseHTTPRequestHandler):
+    """Base of the stub servers' handlers (here and in test_pd_rollout_tasks): HTTP/1.1, no request log, and
+    _send(code, obj) answering JSON (or obj as is, with another content type) with its Content-Length."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code, obj, ctype="application/json"):
+        body = (json.dumps(obj) if ctype == "application/json" else obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 class Stub:
     """A vLLM-like worker: prefill answers kv_transfer_params to do_remote_decode requests."""
 
@@ -133,19 +151,7 @@ class Stub:
         self.name, self.delay, self.log = name, delay, []
         stub = self
 
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code, obj):
-                body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        class H(QuietJSONHandler):
 
             def do_GET(self):
                 if self.path == "/health":
