@@ -135,6 +135,7 @@ def test_small_capacity_search_through_the_front_door(stack_info):
                "flags": FLAGS, "report": str(OUT_DIR.relative_to(ROOT)),
                "contexts": [{"context": c["context"], "max_rate": c["max_rate"], "fail_rate": c["fail_rate"],
                              "budget_limited": c.get("budget_limited", False), "warmup": c.get("warmup"),
+                             "fit": c.get("fit"),
                              "points": [{k: p[k] for k in ("rate", "num_prompts", "completed", "failed",
                                                            "mean_ttft_ms", "mean_tpot_ms", "passed", "reason")}
                                         for p in c["points"]]} for c in rep["contexts"]]}
@@ -177,6 +178,9 @@ def test_small_capacity_search_through_the_front_door(stack_info):
         assert all(p["rate"] >= FLAGS["--min-rate"] for p in pts), (ctx, [p["rate"] for p in pts])
         assert c["max_rate"] == max((p["rate"] for p in pts if p["passed"]), default=0.0), (ctx, c)
         assert c["fail_rate"] == min((p["rate"] for p in pts if not p["passed"]), default=None), (ctx, c)
+        # the SLA crossing is the fit of this context's own points (none without a failing rate)
+        assert c["fit"] == sla_capacity.sla_crossing(pts, rep["sla"], c["max_rate"], c["fail_rate"],
+                                                     rep["params"]["fit_window"]), (ctx, c["fit"])
         # each verdict is the inventory's pd_sla applied to the point (every request done, both means within)
         for p in pts:
             meets = (p["completed"] == p["num_prompts"] and not p["failed"]

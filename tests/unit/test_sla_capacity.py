@@ -567,3 +567,119 @@ def test_the_points_table_shows_the_prefix_cache_hits_per_pool():
                 "prometheus": {"prefix_cache_hit_rate": {"prefill": 0.873, "decode": 0.0}}}]}]}
     row = next(line for line in cap.render_markdown(rep).splitlines() if line.startswith("| 256 | 1 |"))
     assert "| decode 0, prefill 87 |" in row
+
+
+# ------------------------------------------------------------------------------------------ SLA crossing (fit)
+SLA_DICT = {"ttft_mean_ms": 2500.0, "tpot_mean_ms": 20.0}
+
+
+def _pt(rate, tpot, ttft=300.0, **kw):
+    return {"rate": rate, "mean_ttft_ms": ttft, "mean_tpot_ms": tpot, "failed": 0, "timed_out": False, **kw}
+
+
+def test_sla_ratio_is_the_worse_of_both_limits_and_none_without_a_size():
+    assert cap.sla_ratio(_pt(10, 10.0, ttft=3750.0), SLA_DICT) == 1.5  # TTFT 1.5x, TPOT 0.5x
+    assert cap.sla_ratio(_pt(10, 30.0), SLA_DICT) == 1.5
+    assert cap.sla_ratio(_pt(10, 30.0, failed=2), SLA_DICT) is None  # a miss, but of no measurable size
+    assert cap.sla_ratio(_pt(10, 30.0, timed_out=True), SLA_DICT) is None
+    assert cap.sla_ratio(_pt(10, None), SLA_DICT) is None
+
+
+def test_loglog_crossing_is_exact_on_a_power_law_and_refuses_flat_or_falling_points():
+    pairs = [(r, (r / 7.0) ** 3) for r in (5.0, 6.0, 8.0, 9.0)]
+    assert cap.loglog_crossing(pairs) == pytest.approx(7.0)
+    assert cap.loglog_crossing([(5.0, 0.8), (5.0, 1.2)]) is None  # one rate: no slope
+    assert cap.loglog_crossing([(5.0, 1.2), (6.0, 0.9)]) is None  # falling with the rate: noise, no crossing
+
+
+def test_the_crossing_ignores_points_outside_the_window_and_needs_a_failing_rate():
+    # TPOT = 20 ms x (rate / 7)^2 near the knee; a far-overloaded point (3x the rate, 50x the limit, a queue that
+    # grew for the whole point) lies outside 1.3x the bracket and must not bend the line
+    pts = [_pt(r, 20.0 * (r / 7.0) ** 2) for r in (5.0, 6.0, 6.5, 7.5, 8.0)] + [_pt(24.0, 1000.0)]
+    fit = cap.sla_crossing(pts, SLA_DICT, lo=6.5, hi=7.5, window=1.3)
+    assert fit["rate"] == pytest.approx(7.0, rel=1e-3) and fit["points"] == 5 and fit["rates"] == [5.0, 8.0]
+    assert fit["ci90"][0] <= 7.0 <= fit["ci90"][1] and fit["extrapolated"] is False
+    assert cap.sla_crossing(pts, SLA_DICT, lo=8.0, hi=None, window=1.3)["rate"] is None  # no failing rate
+    assert "fewer than 2" in cap.sla_crossing(pts[:1], SLA_DICT, lo=5.0, hi=5.5, window=1.3)["why"]
+    # a sweep whose every rate failed (knee 0): the window hangs from the first failing rate; the crossing lies
+    # below every measured rate, and says so
+    low = cap.sla_crossing([_pt(r, 20.0 * (r / 7.0) ** 2) for r in (7.5, 8.0, 8.5)], SLA_DICT, 0.0, 7.5, 1.3)
+    assert low["rate"] == pytest.approx(7.0, rel=1e-3) and low["extrapolated"] is True
+
+
+# Measured 2026-12-06 on the embedded default, 256 tokens, 30-s points (mean TPOT ms per point, TTFT far below its
+# limit): a precision-5 % search and the finer sweep right after it (docs/capacity/2026-12-06-local-own-seeds).
+# The sweep failed every rate by majority (knee 0) although the search had passed 53.8 req/s twice.
+SEARCH_256 = [(16.0, 5.68), (16.0, 5.87), (32.0, 10.11), (32.0, 10.2), (64.0, 22.05), (64.0, 27.31), (45.25, 25.31),
+              (45.25, 19.3), (45.25, 14.61), (53.82, 14.84), (53.82, 17.47), (58.69, 22.47), (58.69, 30.6),
+              (56.2, 31.12), (56.2, 18.82), (56.2, 30.59)]
+SWEEP_256 = [(48.44, 25.5), (48.44, 14.84), (48.44, 21.23), (51.66, 24.74), (51.66, 14.95), (51.66, 27.3),
+             (54.89, 31.3), (54.89, 17.18), (54.89, 29.2), (58.12, 30.1), (58.12, 37.94), (61.35, 33.43),
+             (61.35, 34.42), (64.58, 32.27), (64.58, 45.13)]
+
+
+def test_on_measured_points_the_fits_agree_where_the_verdicts_do_not():
+    search = [_pt(r, t) for r, t in SEARCH_256]
+    sweep = [_pt(r, t) for r, t in SWEEP_256]
+    search_fit = cap.sla_crossing(search, SLA_DICT, lo=53.82, hi=56.2, window=1.3)
+    sweep_fit = cap.sla_crossing(sweep, SLA_DICT, lo=0.0, hi=48.44, window=1.3)
+    verdicts = cap.rate_verdicts([cap.Point(context=256, rate=r, num_prompts=1, passed=t <= 20.0)
+                                  for r, t in SWEEP_256], repeats=3)
+    assert cap.knee_of_sweep(verdicts) == 0.0  # by majority every rate of the sweep failed
+    assert abs(search_fit["rate"] / sweep_fit["rate"] - 1.0) < 0.02  # 48.9 vs 49.2 req/s
+    assert search_fit["ci90"][0] < search_fit["rate"] < search_fit["ci90"][1]
+
+
+def _report(mode, contexts):
+    return {"mode": mode, "sla": SLA_DICT, "contexts": contexts}
+
+
+def test_a_sweep_report_compares_both_the_verdicts_and_the_fits(tmp_path, monkeypatch):
+    # synthetic capacity 5 req/s with TPOT rising through the limit there: the search brackets it, the sweep
+    # around it finds the same crossing
+    _scripted_points(monkeypatch, lambda rate, n: (rate < 5.0, 300.0, 20.0 * (rate / 5.0) ** 2))
+    assert cap.main(_argv(tmp_path, "--contexts", "256")) == 0
+    search = json.loads((tmp_path / "out" / "report.json").read_text())
+    (ctx,) = search["contexts"]
+    assert ctx["fit"]["rate"] == pytest.approx(5.0, rel=1e-3) and search["params"]["fit_window"] == 1.3
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| context (tokens) | SLA crossing, fit (90 % CI) |" in md and "| 256 | **5** (5-5) | 4.76 | 5.19 |" in md
+    (tmp_path / "search.json").write_text(json.dumps(search))
+    assert cap.main(_argv(tmp_path, "--contexts", "256", "--finer-sweep", "--compare-with",
+                          str(tmp_path / "search.json"), "--sweep-points", "5", "--sweep-factors", "0.9", "1.2")) == 0
+    sweep = json.loads((tmp_path / "out" / "report.json").read_text())
+    (row,) = sweep["comparison"]
+    assert row["fit_rel_diff"] == pytest.approx(0.0, abs=1e-3)
+    assert row["search_fit"]["rate"] == pytest.approx(5.0, rel=1e-3)
+    assert "| search SLA crossing (90 % CI) |" in (tmp_path / "out" / "report.md").read_text()
+    assert cap.main(_argv(tmp_path, "--fit-window", "1")) == 2
+
+
+def test_capacity_compare_reads_two_reports_and_refuses_the_wrong_ones(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("capacity_compare", ROOT / "bench" / "capacity_compare.py")
+    compare_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_cli)
+    search = _report("search", [{"context": 256, "max_rate": 53.82, "fail_rate": 56.2,
+                                 "points": [_pt(r, t) for r, t in SEARCH_256]}])
+    sweep = _report("sweep", [{"context": 256, "max_rate": 0.0, "fail_rate": 48.44,
+                               "points": [_pt(r, t) for r, t in SWEEP_256]}])
+    (tmp_path / "search.json").write_text(json.dumps(search))
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    assert compare_cli.main([str(tmp_path / "search.json"), str(tmp_path / "sweep.json")]) == 0
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith("| 256 | 53.8 | 0 | n/a | 48.9 (") and row.endswith("| -0.6 % |")
+    assert compare_cli.main([str(tmp_path / "sweep.json"), str(tmp_path / "search.json")]) == 2
+    assert "not a search report (mode 'sweep')" in capsys.readouterr().err
+    assert compare_cli.main([str(tmp_path / "search.json"), str(tmp_path / "missing.json")]) == 2
+    assert "not a readable report.json" in capsys.readouterr().err
+
+
+def test_a_crossing_far_outside_the_measured_rates_is_no_estimate():
+    # 2026-12-06, 256 tokens: a sweep right after its search failed every rate from 40.7 to 54.3 req/s (median mean
+    # TPOT 17.6-36.8 ms, no trend); the nearly flat line reached 20 ms at 0.002 req/s (54.3 is outside 1.3x 40.7)
+    flat = [(40.73, 21.5), (40.73, 27.5), (43.44, 13.6), (43.44, 21.7), (43.44, 23.6), (46.16, 24.6), (46.16, 48.3),
+            (48.88, 17.6), (48.88, 25.6), (48.88, 16.2), (51.59, 22.1), (51.59, 26.2), (54.31, 32.1), (54.31, 41.5)]
+    fit = cap.sla_crossing([_pt(r, t) for r, t in flat], SLA_DICT, lo=0.0, hi=40.73, window=1.3)
+    assert fit["rate"] is None and fit["line_crossing"] < 1.0
+    assert "beyond 1.3x of the rates measured (40.7-51.6)" in fit["why"]
+    assert cap._fit_cell(fit).startswith("n/a (the line through the points reaches the limit at")

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Compare a capacity search with a finer sweep from their report.json files, without measuring anything.
+
+  .venv/bin/python bench/capacity_compare.py reports/capacity/<search>/report.json \\
+      reports/capacity/<sweep>/report.json [--fit-window 1.3] [--json]
+
+Prints the table that `bench/sla_capacity.py --finer-sweep --compare-with` writes into its report (the search's
+max rate against the sweep's knee, and both SLA crossings fitted from their own points), so reports made apart, or
+by an older version without fits, can be compared the same way. Exit 0, or 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sla_capacity  # noqa: E402 - bench/ is not a package
+
+
+def _load(path: str, mode: str) -> dict:
+    try:
+        rep = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise sla_capacity.UsageError(f"{path}: not a readable report.json ({exc})") from exc
+    if rep.get("mode") != mode or not isinstance(rep.get("contexts"), list):
+        raise sla_capacity.UsageError(f"{path}: not a {mode} report (mode {rep.get('mode')!r}); give the {mode}'s "
+                                      "report.json")
+    return rep
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("search", help="report.json of the search")
+    ap.add_argument("sweep", help="report.json of the sweep (--finer-sweep)")
+    ap.add_argument("--fit-window", type=float, default=1.3, help="as bench/sla_capacity.py --fit-window")
+    ap.add_argument("--json", action="store_true", help="the rows as JSON instead of a markdown table")
+    a = ap.parse_args(argv)
+    try:
+        if a.fit_window <= 1:
+            raise sla_capacity.UsageError(f"--fit-window {a.fit_window:g}: must be > 1")
+        search, sweep = _load(a.search, "search"), _load(a.sweep, "sweep")
+    except sla_capacity.UsageError as exc:
+        print(f"capacity_compare: {exc}", file=sys.stderr)
+        return 2
+    rows = sla_capacity.compare(search, sweep, a.fit_window)
+    if not rows:
+        print("capacity_compare: the two reports share no context length", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2) if a.json else "\n".join(sla_capacity.comparison_markdown(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
