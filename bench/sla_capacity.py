@@ -346,6 +346,7 @@ def knee_of_sweep(results: list[tuple[float, bool]]) -> float:
 # How many resamples give the crossing's 90 % interval (percentile bootstrap over the points; seeded, so a report
 # re-rendered from the same points shows the same interval).
 FIT_BOOTSTRAP = 400
+FIT_MIN_POINTS = 4
 
 
 def sla_ratio(point: dict, sla: dict) -> float | None:
@@ -404,8 +405,10 @@ def sla_crossing(points: list[dict], sla: dict, lo: float, hi: float | None, win
     rng = random.Random(0)  # noqa: S311 - a bootstrap, not a secret; seeded so a re-render shows the same interval
     resampled = sorted(e for e in (loglog_crossing([rng.choice(pairs) for _ in pairs]) for _ in range(FIT_BOOTSTRAP))
                        if e is not None)
+    # a bootstrap of 2 or 3 points says nothing (2 points: every resample with both rates is the same line, an
+    # interval of width 0): no interval below FIT_MIN_POINTS
     ci90 = ([round(resampled[int(0.05 * len(resampled))], 4), round(resampled[int(0.95 * len(resampled)) - 1], 4)]
-            if len(resampled) >= FIT_BOOTSTRAP // 2 else None)
+            if len(pairs) >= FIT_MIN_POINTS and len(resampled) >= FIT_BOOTSTRAP // 2 else None)
     return {"rate": round(est, 4), "ci90": ci90, "points": len(pairs), "rates": [min(rates), max(rates)],
             "extrapolated": not min(rates) <= est <= max(rates)}
 

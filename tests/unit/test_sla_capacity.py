@@ -683,3 +683,14 @@ def test_a_crossing_far_outside_the_measured_rates_is_no_estimate():
     assert fit["rate"] is None and fit["line_crossing"] < 1.0
     assert "beyond 1.3x of the rates measured (40.7-51.6)" in fit["why"]
     assert cap._fit_cell(fit).startswith("n/a (the line through the points reaches the limit at")
+
+
+def test_two_or_three_points_give_a_crossing_but_no_interval():
+    # CI's small search, 2026-12-06: one point at 11.3 req/s (pass) and one at 16 (fail); every bootstrap resample
+    # holding both is the same line, so the "interval" was 14.8-14.8
+    two = [_pt(11.3, 11.6), _pt(16.0, 29.0)]
+    fit = cap.sla_crossing(two, SLA_DICT, lo=11.3, hi=16.0, window=1.3)
+    assert 11.3 < fit["rate"] < 16.0 and fit["ci90"] is None
+    assert cap._fit_cell(fit) == f"{fit['rate']:.3g} (no interval)"
+    four = two + [_pt(12.0, 13.0), _pt(15.0, 25.0)]
+    assert cap.sla_crossing(four, SLA_DICT, lo=12.0, hi=15.0, window=1.3)["ci90"] is not None
