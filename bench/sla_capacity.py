@@ -413,10 +413,15 @@ def sla_crossing(points: list[dict], sla: dict, lo: float, hi: float | None, win
             "extrapolated": not min(rates) <= est <= max(rates)}
 
 
+def context_fit(context: dict, sla: dict, window: float) -> dict:
+    """The SLA crossing of one report context from its own points and bracket."""
+    return sla_crossing(context.get("points", []), sla, context["max_rate"], context.get("fail_rate"), window)
+
+
 def add_fits(rep: dict, window: float) -> None:
     """Each context of a report gets its SLA crossing (`fit`) from its own points."""
     for c in rep["contexts"]:
-        c["fit"] = sla_crossing(c["points"], rep["sla"], c["max_rate"], c["fail_rate"], window)
+        c["fit"] = context_fit(c, rep["sla"], window)
 
 
 def sweep_rates(lo: float, hi: float, points: int) -> list[float]:
@@ -772,7 +777,9 @@ def plot_report(rep: dict, out_dir: Path) -> list[str]:
 
 
 def _rel(value, reference):
-    return (value - reference) / reference if value and reference else None
+    """(value - reference) / reference; None when either is missing or the reference is 0 (a search max rate of 0
+    against a knee stays -100 %, as before the fits)."""
+    return (value - reference) / reference if value is not None and reference else None
 
 
 def compare(search: dict, sweep: dict, window: float) -> list[dict]:
@@ -785,9 +792,8 @@ def compare(search: dict, sweep: dict, window: float) -> list[dict]:
         found = by_ctx.get(c["context"])
         if found is None:
             continue
-        search_fit = sla_crossing(found.get("points", []), search.get("sla", sweep["sla"]), found["max_rate"],
-                                  found.get("fail_rate"), window)
-        sweep_fit = sla_crossing(c["points"], sweep["sla"], c["max_rate"], c["fail_rate"], window)
+        search_fit = context_fit(found, search.get("sla", sweep["sla"]), window)
+        sweep_fit = context_fit(c, sweep["sla"], window)
         rows.append({"context": c["context"], "search_max_rate": found["max_rate"], "knee": c["max_rate"],
                      "rel_diff": _rel(found["max_rate"], c["max_rate"]),
                      "search_fit": search_fit, "sweep_fit": sweep_fit,

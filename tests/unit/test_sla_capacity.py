@@ -694,3 +694,11 @@ def test_two_or_three_points_give_a_crossing_but_no_interval():
     assert cap._fit_cell(fit) == f"{fit['rate']:.3g} (no interval)"
     four = two + [_pt(12.0, 13.0), _pt(15.0, 25.0)]
     assert cap.sla_crossing(four, SLA_DICT, lo=12.0, hi=15.0, window=1.3)["ci90"] is not None
+
+
+def test_a_search_that_found_nothing_compares_as_minus_100_percent():
+    search = _report("search", [{"context": 256, "max_rate": 0.0, "fail_rate": 1.0, "points": []}])
+    sweep = _report("sweep", [{"context": 256, "max_rate": 4.0, "fail_rate": 5.0, "points": []}])
+    (row,) = cap.compare(search, sweep, 1.3)
+    assert row["rel_diff"] == -1.0 and row["fit_rel_diff"] is None
+    assert cap.comparison_markdown([row])[-1].startswith("| 256 | 0 | 4 | -100.0 % | n/a (")
