@@ -22,10 +22,10 @@ Beside the highest passing rate, each context gets its SLA crossing: the rate wh
 against log(rate), fitted to the points near the pass/fail bracket (--fit-window), reaches 1, with a 90 % bootstrap
 interval (sla_crossing); it uses how far each point met or missed the SLA, not only whether.
 
---finer-sweep runs a uniform sweep of rates instead (around the max rate of an earlier report given with
---compare-with), to find the knee and check the search against it. Output: reports/capacity/<UTC time>/
-report.md, report.json, ttft.png, tpot.png, goodput.png. Exit 0 when every context length has a max rate > 0,
-1 when one has none (the SLA is missed at the lowest rate tried), 2 on bad input.
+--finer-sweep runs a uniform sweep of rates instead (around the SLA crossing, or max rate, of an earlier search's
+report given with --compare-with), to find the knee and check the search against it. Output:
+reports/capacity/<UTC time>/report.md, report.json, ttft.png, tpot.png, goodput.png. Exit 0 when every context
+length has a max rate > 0, 1 when one has none (the SLA is missed at the lowest rate tried), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -424,6 +424,22 @@ def add_fits(rep: dict, window: float) -> None:
         c["fit"] = context_fit(c, rep["sla"], window)
 
 
+def sweep_centre(search: dict, ctx: int, how: str, sla: dict, window: float) -> dict:
+    """The rate a finer sweep of one context is centred on: the search's SLA crossing (its answer; a sweep around
+    the highest passing rate with factors 0.9-1.2 ended below the crossing and had to extrapolate its own, 2026-12-06)
+    or, with how="max-rate" or without a crossing, its highest passing rate."""
+    found = next((c for c in search.get("contexts", []) if c["context"] == ctx), None)
+    if found is None:
+        raise UsageError(f"--compare-with: the search report has no context {ctx} (it has "
+                         f"{', '.join(str(c['context']) for c in search.get('contexts', [])) or 'none'}); "
+                         "use --contexts with its context lengths")
+    if how == "crossing":
+        crossing = context_fit(found, search.get("sla") or sla, window).get("rate")
+        if crossing:
+            return {"rate": crossing, "from": "SLA crossing"}
+    return {"rate": found["max_rate"], "from": "max rate"}
+
+
 def sweep_rates(lo: float, hi: float, points: int) -> list[float]:
     if points < 2 or lo <= 0 or hi <= lo:
         raise UsageError("--finer-sweep needs --sweep-points >= 2 and 0 < --sweep-min < --sweep-max")
@@ -673,6 +689,12 @@ def render_markdown(rep: dict) -> str:
                   f"{rep['params'].get('fit_window', 1.3):g}x of the pass/fail bracket; the 90 % interval is a "
                   "bootstrap over those points. It uses how far each point met or missed the SLA, not only whether, "
                   "so it moves less with one disturbed point than the highest passing rate does."]
+    swept = [c for c in rep["contexts"] if (c.get("sweep") or {}).get("centre")]
+    if swept:
+        lines += ["", "Rates swept: " + "; ".join(
+            f"{c['context']} tokens {c['sweep']['rates'][0]:.3g}-{c['sweep']['rates'][1]:.3g} req/s around the "
+            f"search's {c['sweep']['centre']['from']} {c['sweep']['centre']['rate']:.3g}" for c in swept)
+            + f" (`--sweep-centre {rep['params'].get('sweep_centre', 'max-rate')}`)."]
     if rep.get("comparison"):
         lines += ["", "## Search vs finer sweep", ""] + comparison_markdown(rep["comparison"])
     lines += ["", "![TTFT](ttft.png) ![TPOT](tpot.png) ![goodput](goodput.png)", "", "## Points (in order measured)",
@@ -867,12 +889,15 @@ def parse_args(argv):
     ap.add_argument("--warmup-concurrency", type=int, default=4, help="warm-up requests in flight at a time")
     ap.add_argument("--finer-sweep", action="store_true", help="uniform sweep of rates instead of the search")
     ap.add_argument("--sweep-points", type=int, default=9)
-    ap.add_argument("--sweep-min", type=float, help="lowest rate (default 0.6 x the compared max rate)")
-    ap.add_argument("--sweep-max", type=float, help="highest rate (default 1.4 x the compared max rate)")
+    ap.add_argument("--sweep-min", type=float, help="lowest rate (default: LOW of --sweep-factors x the centre)")
+    ap.add_argument("--sweep-max", type=float, help="highest rate (default: HIGH of --sweep-factors x the centre)")
     ap.add_argument("--sweep-factors", type=float, nargs=2, default=(0.6, 1.4), metavar=("LOW", "HIGH"),
-                    help="with --compare-with: sweep each context from LOW to HIGH x its compared max rate "
+                    help="with --compare-with: sweep each context from LOW to HIGH x its centre (--sweep-centre) "
                          "(default 0.6 1.4); --sweep-min/--sweep-max override")
-    ap.add_argument("--compare-with", help="report.json of a search: sweep around its max rates and compare")
+    ap.add_argument("--sweep-centre", choices=("crossing", "max-rate"), default="crossing",
+                    help="with --compare-with: the rate --sweep-factors multiply, per context: the search's SLA "
+                         "crossing (its answer; its max rate where it has none) or its highest passing rate")
+    ap.add_argument("--compare-with", help="report.json of a search: sweep around its answers and compare")
     ap.add_argument("--fit-window", type=float, default=1.3,
                     help="the SLA crossing fits the points whose rate lies within this factor of the pass/fail "
                          "bracket (> 1)")
@@ -932,6 +957,13 @@ def main(argv=None) -> int:
             raise UsageError(f"--budget-s {a.budget_s:g} is less than one point's worst case ({worst:g} s: "
                              f"--point-timeout plus the Prometheus read-back) for each of the {len(contexts)} context "
                              f"lengths; raise it to at least {worst * len(contexts):g} or lower --point-timeout")
+        try:
+            baseline = json.loads(Path(a.compare_with).read_text()) if a.compare_with else None
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--compare-with {a.compare_with}: not a readable report.json ({exc})") from exc
+        # each context's sweep centre before anything is measured: a context the search lacks stops here
+        centres = {ctx: sweep_centre(baseline, ctx, a.sweep_centre, asdict(a.plan.sla), a.fit_window)
+                   for ctx in contexts} if a.finer_sweep and baseline else {}
     except UsageError as exc:
         print(f"sla_capacity: {exc}", file=sys.stderr)
         return 2
@@ -940,7 +972,6 @@ def main(argv=None) -> int:
     raw_dir = out_dir / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     plan = a.plan
-    baseline = json.loads(Path(a.compare_with).read_text()) if a.compare_with else None
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -954,7 +985,8 @@ def main(argv=None) -> int:
                                                   "point_seconds", "min_prompts", "max_prompts", "point_timeout",
                                                   "budget_s", "prometheus_timeout", "seed",
                                                   "confirm_failures", "repeats", "decisive_factor",
-                                                  "warmup_prompts", "warmup_concurrency", "fit_window")},
+                                                  "warmup_prompts", "warmup_concurrency", "fit_window",
+                                                  "sweep_centre")},
            "contexts": []}
     t0 = time.time()
     budget_t0 = clock()
@@ -997,7 +1029,7 @@ def main(argv=None) -> int:
 
             log(f"context {ctx} tokens ({rep['mode']})")
             budget_limited = False
-            warmup = None
+            warmup = swept = None
             if a.warmup_prompts:
                 # bounded by --point-timeout like a point: the budget must allow it and still keep its points
                 if budget_allows(clock() - budget_t0, worst, contexts_after + 1, a.budget_s):
@@ -1007,11 +1039,12 @@ def main(argv=None) -> int:
                     log(f"  c={ctx} warm-up skipped: --budget-s {a.budget_s:g} keeps its time for the points")
             try:
                 if a.finer_sweep:
-                    base = next((c["max_rate"] for c in (baseline or {}).get("contexts", [])
-                                 if c["context"] == ctx), 0)
-                    lo = a.sweep_min if a.sweep_min is not None else a.sweep_factors[0] * base
-                    hi = a.sweep_max if a.sweep_max is not None else a.sweep_factors[1] * base
-                    results = [(r, measure(r)) for r in sweep_rates(lo, hi, a.sweep_points)]
+                    centre = centres.get(ctx)
+                    lo = a.sweep_min if a.sweep_min is not None else a.sweep_factors[0] * centre["rate"]
+                    hi = a.sweep_max if a.sweep_max is not None else a.sweep_factors[1] * centre["rate"]
+                    rates = sweep_rates(lo, hi, a.sweep_points)
+                    swept = {"rates": [rates[0], rates[-1]], **({"centre": centre} if centre else {})}
+                    results = [(r, measure(r)) for r in rates]
                     max_rate = knee_of_sweep(results)
                     fail_rate = next((r for r, ok in sorted(results) if not ok), None)
                 else:
@@ -1033,6 +1066,7 @@ def main(argv=None) -> int:
             unconverged = (not a.finer_sweep and not budget_limited and max_rate > 0
                            and (fail_rate is None or fail_rate / max_rate - 1.0 > a.precision))
             rep["contexts"].append({"context": ctx, "max_rate": max_rate, "fail_rate": fail_rate,
+                                    **({"sweep": swept} if a.finer_sweep else {}),
                                     **({"warmup": warmup} if warmup else {}),
                                     **({"budget_limited": True} if budget_limited else {}),
                                     **({"unconverged": True} if unconverged else {}),

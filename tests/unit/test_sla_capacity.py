@@ -655,6 +655,36 @@ def test_a_sweep_report_compares_both_the_verdicts_and_the_fits(tmp_path, monkey
     assert cap.main(_argv(tmp_path, "--fit-window", "1")) == 2
 
 
+def test_a_sweep_is_centred_on_the_searchs_crossing_or_on_its_max_rate(tmp_path, monkeypatch, capsys):
+    # 2026-12-06 pair D, 256 tokens: a sweep of 0.9-1.2x the search's max rate (38.1) ended at 45.7 below the
+    # crossing, and its own crossing (47.7) had to be extrapolated; centred on the search's answer it brackets it
+    _scripted_points(monkeypatch, lambda rate, n: (rate < 5.0, 300.0, 20.0 * (rate / 5.0) ** 2))
+    assert cap.main(_argv(tmp_path, "--contexts", "256")) == 0
+    search = json.loads((tmp_path / "out" / "report.json").read_text())
+    (found,) = search["contexts"]
+    assert found["max_rate"] < 4.9 and found["fit"]["rate"] == pytest.approx(5.0, rel=1e-3)
+    (tmp_path / "search.json").write_text(json.dumps(search))
+    sweep_argv = _argv(tmp_path, "--contexts", "256", "--finer-sweep", "--compare-with", str(tmp_path / "search.json"),
+                       "--sweep-points", "4", "--sweep-factors", "0.9", "1.2")
+    assert cap.main(sweep_argv) == 0
+    (ctx,) = json.loads((tmp_path / "out" / "report.json").read_text())["contexts"]
+    assert ctx["sweep"]["centre"] == {"rate": found["fit"]["rate"], "from": "SLA crossing"}
+    assert ctx["sweep"]["rates"] == [pytest.approx(4.5, rel=1e-3), pytest.approx(6.0, rel=1e-3)]
+    assert (ctx["points"][0]["rate"], ctx["points"][-1]["rate"]) == tuple(ctx["sweep"]["rates"])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "Rates swept: 256 tokens 4.5-6 req/s around the search's SLA crossing 5 (`--sweep-centre crossing`)." in md
+    assert cap.main(sweep_argv + ["--sweep-centre", "max-rate"]) == 0
+    (ctx,) = json.loads((tmp_path / "out" / "report.json").read_text())["contexts"]
+    assert ctx["sweep"] == {"rates": [round(0.9 * found["max_rate"], 4), round(1.2 * found["max_rate"], 4)],
+                            "centre": {"rate": found["max_rate"], "from": "max rate"}}
+    # a context the search did not measure, or an unreadable search report: refused before any point
+    capsys.readouterr()
+    assert cap.main([x if x != "256" else "3072" for x in sweep_argv]) == 2
+    assert "the search report has no context 3072 (it has 256); use --contexts" in capsys.readouterr().err
+    assert cap.main([x if not x.endswith("search.json") else str(tmp_path / "nope.json") for x in sweep_argv]) == 2
+    assert "not a readable report.json" in capsys.readouterr().err
+
+
 def test_capacity_compare_reads_two_reports_and_refuses_the_wrong_ones(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("capacity_compare", ROOT / "bench" / "capacity_compare.py")
     compare_cli = importlib.util.module_from_spec(spec)
