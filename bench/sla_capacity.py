@@ -437,6 +437,9 @@ def sweep_centre(search: dict, ctx: int, how: str, sla: dict, window: float) -> 
         crossing = context_fit(found, search.get("sla") or sla, window).get("rate")
         if crossing:
             return {"rate": crossing, "from": "SLA crossing"}
+    if not found.get("max_rate"):
+        raise UsageError(f"--compare-with: the search found no passing rate at {ctx} tokens and no SLA crossing, so "
+                         "there is nothing to sweep around; give --sweep-min and --sweep-max")
     return {"rate": found["max_rate"], "from": "max rate"}
 
 
@@ -961,9 +964,11 @@ def main(argv=None) -> int:
             baseline = json.loads(Path(a.compare_with).read_text()) if a.compare_with else None
         except (OSError, ValueError) as exc:
             raise UsageError(f"--compare-with {a.compare_with}: not a readable report.json ({exc})") from exc
-        # each context's sweep centre before anything is measured: a context the search lacks stops here
+        # each context's sweep centre before anything is measured (a context the search lacks stops here); none
+        # where --sweep-min and --sweep-max set the range
+        centred = a.finer_sweep and baseline and (a.sweep_min is None or a.sweep_max is None)
         centres = {ctx: sweep_centre(baseline, ctx, a.sweep_centre, asdict(a.plan.sla), a.fit_window)
-                   for ctx in contexts} if a.finer_sweep and baseline else {}
+                   for ctx in contexts} if centred else {}
     except UsageError as exc:
         print(f"sla_capacity: {exc}", file=sys.stderr)
         return 2

@@ -683,6 +683,16 @@ def test_a_sweep_is_centred_on_the_searchs_crossing_or_on_its_max_rate(tmp_path,
     assert "the search report has no context 3072 (it has 256); use --contexts" in capsys.readouterr().err
     assert cap.main([x if not x.endswith("search.json") else str(tmp_path / "nope.json") for x in sweep_argv]) == 2
     assert "not a readable report.json" in capsys.readouterr().err
+    # --sweep-min and --sweep-max set the range: no centre is claimed, and any context of the search may be missing
+    assert cap.main([x if x != "256" else "3072" for x in sweep_argv] + ["--sweep-min", "4", "--sweep-max", "6"]) == 0
+    (ctx,) = json.loads((tmp_path / "out" / "report.json").read_text())["contexts"]
+    assert ctx["sweep"] == {"rates": [4.0, 6.0]} and "Rates swept" not in (tmp_path / "out" / "report.md").read_text()
+    # a search that found nothing at all: nothing to centre on, refused with the way out
+    nothing = _report("search", [{"context": 256, "max_rate": 0.0, "fail_rate": 0.5, "points": []}])
+    (tmp_path / "search.json").write_text(json.dumps(nothing))
+    capsys.readouterr()
+    assert cap.main(sweep_argv) == 2
+    assert "no passing rate at 256 tokens and no SLA crossing" in capsys.readouterr().err
 
 
 def test_capacity_compare_reads_two_reports_and_refuses_the_wrong_ones(tmp_path, capsys):
