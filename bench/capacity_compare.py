@@ -20,17 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sla_capacity  # noqa: E402 - bench/ is not a package
 
 
-def _load(path: str, mode: str) -> dict:
-    try:
-        rep = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise sla_capacity.UsageError(f"{path}: not a readable report.json ({exc})") from exc
-    if rep.get("mode") != mode or not isinstance(rep.get("contexts"), list):
-        raise sla_capacity.UsageError(f"{path}: not a {mode} report (mode {rep.get('mode')!r}); give the {mode}'s "
-                                      "report.json")
-    return rep
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("search", help="report.json of the search")
@@ -41,7 +30,7 @@ def main(argv=None) -> int:
     try:
         if a.fit_window <= 1:
             raise sla_capacity.UsageError(f"--fit-window {a.fit_window:g}: must be > 1")
-        search, sweep = _load(a.search, "search"), _load(a.sweep, "sweep")
+        search, sweep = sla_capacity.load_report(a.search, "search"), sla_capacity.load_report(a.sweep, "sweep")
     except sla_capacity.UsageError as exc:
         print(f"capacity_compare: {exc}", file=sys.stderr)
         return 2

@@ -424,6 +424,19 @@ def add_fits(rep: dict, window: float) -> None:
         c["fit"] = context_fit(c, rep["sla"], window)
 
 
+def load_report(path: str, mode: str | None = None, flag: str = "") -> dict:
+    """A report.json read back (--compare-with, bench/capacity_compare.py); with `mode`, it must be one of that
+    mode. `flag` names the option that gave the path in the error."""
+    where = f"{flag} {path}".strip()
+    try:
+        rep = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{where}: not a readable report.json ({exc})") from exc
+    if mode and (rep.get("mode") != mode or not isinstance(rep.get("contexts"), list)):
+        raise UsageError(f"{where}: not a {mode} report (mode {rep.get('mode')!r}); give the {mode}'s report.json")
+    return rep
+
+
 def sweep_centre(search: dict, ctx: int, how: str, sla: dict, window: float) -> dict:
     """The rate a finer sweep of one context is centred on: the search's SLA crossing (its answer; a sweep around
     the highest passing rate with factors 0.9-1.2 ended below the crossing and had to extrapolate its own, 2026-12-06)
@@ -960,10 +973,7 @@ def main(argv=None) -> int:
             raise UsageError(f"--budget-s {a.budget_s:g} is less than one point's worst case ({worst:g} s: "
                              f"--point-timeout plus the Prometheus read-back) for each of the {len(contexts)} context "
                              f"lengths; raise it to at least {worst * len(contexts):g} or lower --point-timeout")
-        try:
-            baseline = json.loads(Path(a.compare_with).read_text()) if a.compare_with else None
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--compare-with {a.compare_with}: not a readable report.json ({exc})") from exc
+        baseline = load_report(a.compare_with, flag="--compare-with") if a.compare_with else None
         # each context's sweep centre before anything is measured (a context the search lacks stops here); none
         # where --sweep-min and --sweep-max set the range
         centred = a.finer_sweep and baseline and (a.sweep_min is None or a.sweep_max is None)
