@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sla_capacity  # noqa: E402 - bench/ is not a package
+from ansible_collections.b300.pd.bench import sla_capacity  # noqa: E402 - bench/ is not a package
 
 
 def main(argv=None) -> int:

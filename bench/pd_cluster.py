@@ -1,7 +1,7 @@
-"""The cluster view for Python tools: the same module_utils/pd_topology.py cluster_view() that
+"""The cluster view for Python tools: the same plugins/module_utils/pd_topology.py cluster_view() that
 playbooks/validate.yml publishes as pd_cluster, fed from `ansible-inventory --list` (or from hostvars already read).
 
-    from pd_cluster import load
+    from ansible_collections.b300.pd.bench.pd_cluster import load
     view = load("inventory/local")       # view["router_url"], view["instances"][0]["url"], view["prometheus_url"]
 
 One code path: view_inputs() picks each host's own value of the vars the view reads, else the owning role's
@@ -18,9 +18,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "module_utils"))
 
-from pd_topology import VIEW_VARS, cluster_view, view_inputs  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_topology import VIEW_VARS, cluster_view, view_inputs  # noqa: E402
 
 ANSIBLE_INVENTORY = ROOT / ".venv" / "bin" / "ansible-inventory"
 

@@ -44,9 +44,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from pd_cluster import inventory_data, view_from  # noqa: E402
-from pd_load import LoadGenerator, client_api_key  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_cluster import inventory_data, view_from  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load import LoadGenerator, client_api_key  # noqa: E402
 
 VENV_BIN = ROOT / ".venv" / "bin"
 SCENARIOS = ("kill-prefill", "kill-decode", "kill-router", "stop-router", "corrupt-shard", "disk-full")

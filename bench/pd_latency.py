@@ -38,9 +38,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from pd_faults import Stack, wait_until  # noqa: E402
-from pd_load import client_api_key, latency_stats, percentile, word_prompt  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_faults import Stack, wait_until  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load import client_api_key, latency_stats, percentile, word_prompt  # noqa: E402
 
 SCHEMA = "pd_latency/1"
 PATHS = ("colocated", "pd", "split_prefill", "split_decode")

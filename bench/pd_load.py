@@ -19,7 +19,7 @@ it) and ends in exactly one of: completed, or failed with one class (see FAILURE
 
 Library use (a pytest integration test around a playbook run):
 
-    from pd_load import LoadGenerator
+    from ansible_collections.b300.pd.bench.pd_load import LoadGenerator
     gen = LoadGenerator(url="http://10.237.0.13:8000", model="tiny-pd", concurrency=2)
     gen.start()                 # returns at once; load runs in background threads
     run_a_change_through_site_yml()

@@ -13,15 +13,11 @@ fields (mean/median/p99 TTFT and TPOT, throughput, goodput for --goodput ttft:<m
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-_PV = Path(__file__).resolve().parents[1] / "roles" / "pd_verify" / "files" / "pd_verify.py"
-_spec = importlib.util.spec_from_file_location("pd_verify", _PV)
-pv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pv)
+from ansible_collections.b300.pd.roles.pd_verify.files import pd_verify as pv
 
 
 def parse_goodput(items):

@@ -11,7 +11,8 @@
    (root; evicts everything on the machine), `auto` = fadvise, then global if pages are still resident. The
    resident fraction after eviction is measured with mincore via util-linux `fincore` and reported.
 3. Measures, cold each time: the disk's sequential read rate (dd-like 16 MiB reads of the same files, one stream
-   and --workers streams), the verifier (module_utils/model_manifest.verify_files, the code the module runs); then,
+   and --workers streams), the verifier (plugins/module_utils/model_manifest.verify_files, the code the module
+   runs); then,
    not timed against the disk, the verifier again with the files left in the page cache (verifier_warm) and sha256
    on in-memory data (1 thread and --workers threads): the CPU ceiling.
 4. Prints one JSON document and a summary line; ratio = verifier / best disk read rate (goal >= 0.80).
@@ -28,9 +29,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "module_utils"))
-
-import model_manifest as mm  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm  # noqa: E402
 
 MIB = 1024 * 1024
 

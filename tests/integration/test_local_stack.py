@@ -16,7 +16,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -31,9 +30,8 @@ VENV_BIN = ROOT / ".venv" / "bin"
 INVENTORY = "inventory/local"
 REPORTS = ROOT / "reports" / "ci"
 ENV = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), PATH=f"{VENV_BIN}:{os.environ['PATH']}")
-sys.path.insert(0, str(ROOT / "bench"))
-from pd_cluster import inventory_data, view_from  # noqa: E402
-from pd_load import LoadGenerator, client_api_key  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_cluster import inventory_data, view_from  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load import LoadGenerator, client_api_key  # noqa: E402
 
 # The steady load of the fault and change tests: open loop, 4 requests a second (at most 4 in flight), through the
 # front door. Closed-loop workers (concurrency 2, as fast as the stack answers: ~20 req/s) kept both cores busy
@@ -85,7 +83,7 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 120) -> di
 
 def cluster() -> tuple[dict, dict, dict]:
     """(the cluster view, groups, hostvars) of the inventory: addresses, URLs and ports as validate.yml publishes
-    them (bench/pd_cluster.py: the same module_utils/pd_topology.py code)."""
+    them (bench/pd_cluster.py: the same plugins/module_utils/pd_topology.py code)."""
     groups, hostvars = inventory_data(INVENTORY)
     return view_from(groups, hostvars), groups, hostvars
 

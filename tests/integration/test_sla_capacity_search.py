@@ -15,7 +15,6 @@ reports/ci/capacity/).
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import signal
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.b300.pd.bench import sla_capacity
 from test_alert_delivery import duration_s
 from test_local_stack import (
     ENV,
@@ -37,8 +37,6 @@ from test_local_stack import (
     record,
     wait_until_routed,
 )
-
-sla_capacity = importlib.import_module("sla_capacity")  # bench/: on sys.path once test_local_stack is imported
 
 BOUND_S = 300  # issue #19: the search runs in CI within 5 minutes of wall time
 # Outside the measuring budget: the script's start (PyYAML, the inventory) and, at the end, report.md and three

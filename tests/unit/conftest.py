@@ -1,47 +1,29 @@
-"""Shared pytest fixtures: repo paths, module_utils importable, inventory loading, running a module in-process.
+"""Shared pytest fixtures: repo paths, the collection's modules by name, inventory loading, running a module in-process.
 
 Owned by engineer A (foundation); ask before adding here.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
-import sys
 from pathlib import Path
 
-import ansible.module_utils
 import pytest
 import yaml
 from ansible.module_utils import basic
 from ansible.module_utils.testing import patch_module_args
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import RECIPE_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE_UTILS = ROOT / "module_utils"
 # The control node's pinned vLLM venv (scripts/bootstrap.d/45-vllm-venv): tests that run vLLM's own parser use it.
 VLLM_VENV_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
-LIBRARY = ROOT / "library"
-
-# Tests import module_utils plainly (`import pd_recipe`) and modules import them as ansible.module_utils.<name>.
-if str(MODULE_UTILS) not in sys.path:
-    sys.path.insert(0, str(MODULE_UTILS))
-if str(MODULE_UTILS) not in ansible.module_utils.__path__:
-    ansible.module_utils.__path__.append(str(MODULE_UTILS))
-
-from pd_recipe import RECIPE_KEYS  # noqa: E402 - importable once module_utils is on sys.path (above)
 
 
 def load_library(name: str):
-    """Import library/<name>.py (as module `library_<name>`: module_utils may hold a file of the same name)."""
-    key = f"library_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, LIBRARY / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[key] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """The module plugins/modules/<name>.py, imported as the package Ansible runs it from (b300.pd)."""
+    return importlib.import_module(f"ansible_collections.b300.pd.plugins.modules.{name}")
 
 
 def load_inventory(name: str) -> dict:

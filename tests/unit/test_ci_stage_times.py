@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from ansible_collections.b300.pd.bench import ci_stage_times as cst
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("ci_stage_times", ROOT / "bench" / "ci_stage_times.py")
-cst = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cst)
 
 CONCURRENT = """\
 === bootstrap: 10-control-venv

@@ -11,8 +11,8 @@ import json
 import posixpath
 import shlex
 
-import pd_recipe
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
 from conftest import ROOT, load_inventory
 
 SEED = ROOT / "tests" / "fixtures" / "seed"

@@ -4,14 +4,12 @@ with run_command faked."""
 import importlib.util
 import json
 import os
-import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "module_utils"))
-import gpu_facts as gf  # noqa: E402  (module_utils/gpu_facts.py)
+from ansible_collections.b300.pd.plugins.module_utils import gpu_facts as gf  # noqa: E402  (plugins/module_utils/gpu_facts.py)
 
 FIX = os.path.join(ROOT, "tests", "fixtures", "gpu")
 H200 = os.path.join(FIX, "h200")
@@ -260,14 +258,13 @@ def test_disk_free_nearest_parent_and_check(tmp_path):
 # ---------------------------------------------------------------- the module, run_command faked
 
 def load_module():
-    spec = importlib.util.spec_from_file_location("gpu_facts_library", os.path.join(ROOT, "library", "gpu_facts.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("ansible_collections.b300.pd.plugins.modules.gpu_facts")
 
 
 def run_module(monkeypatch, capsys, args, outputs, *, smi_path="/usr/bin/nvidia-smi", timeout_path="/usr/bin/timeout"):
-    """Run library/gpu_facts.py main() with run_command / get_bin_path faked; returns (result, nvidia-smi args)."""
+    """Run plugins/modules/gpu_facts.py main() with run_command / get_bin_path faked.
+
+    Returns (result, nvidia-smi args)."""
     from ansible.module_utils import basic
     from ansible.module_utils.testing import patch_module_args
 

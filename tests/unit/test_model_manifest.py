@@ -1,4 +1,4 @@
-"""module_utils/model_manifest.py and scripts/model-manifest: manifest format, content revision, verification,
+"""plugins/module_utils/model_manifest.py and scripts/model-manifest: manifest format, content revision, verification,
 path / rsync fetchers resuming by byte offset. Real files, real threads, real rsync."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import subprocess
 import sys
 import threading
 
-import model_manifest as mm
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
 from conftest import ROOT
 
 CLI = ROOT / "scripts" / "model-manifest"

@@ -1,4 +1,5 @@
-"""library/model_weights.py through its main() (Ansible's module test pattern) and once through `ansible localhost`.
+"""plugins/modules/model_weights.py through its main() (Ansible's module test pattern) and once through
+`ansible localhost`.
 
 Sources: `path` (real directory), `http` and `hf` (a real stdlib HTTP server in a thread that mimics a mirror and
 the hub's /api/models/<repo>/revision/<rev>?blobs=true and /<repo>/resolve/<rev>/<file> endpoints: the real hub
@@ -19,8 +20,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import model_manifest as mm
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
 from conftest import ROOT, load_library, run_module
 
 model_weights = load_library("model_weights")
@@ -635,7 +636,7 @@ def test_ansible_adhoc_run_and_idempotence(tmp_path, src):
     args = json.dumps({"root": str(tmp_path / "root"), "link": str(tmp_path / "root" / "served"),
                        "revision": m["revision"], "source": {"type": "path", "path": str(d)}})
     cmd = [str(ROOT / ".venv" / "bin" / "ansible"), "localhost", "-i", "localhost,", "-c", "local",
-           "-e", "ansible_python_interpreter=" + shutil.which("python3"), "-m", "model_weights", "-a", args]
+           "-e", "ansible_python_interpreter=" + shutil.which("python3"), "-m", "b300.pd.model_weights", "-a", args]
 
     def once():
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
@@ -655,7 +656,8 @@ def test_ansible_adhoc_run_and_idempotence(tmp_path, src):
 
 def _playbook(tmp: Path, extra_vars: dict, check=False):
     pb = tmp / "site.yml"
-    pb.write_text("- name: Model weights\n  hosts: all\n  gather_facts: false\n  roles:\n    - role: model_weights\n")
+    pb.write_text("- name: Model weights\n  hosts: all\n  gather_facts: false\n"
+                  "  roles:\n    - role: b300.pd.model_weights\n")
     # A tiny model fetches in seconds: bound the async job so a lost one fails the test instead of hanging it.
     (tmp / "vars.json").write_text(json.dumps({"model_weights_async_timeout": 600, **extra_vars}))
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FACT_CACHING="memory")

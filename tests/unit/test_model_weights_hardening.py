@@ -7,8 +7,8 @@ import errno
 import json
 import os
 
-import model_manifest as mm
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
 from test_model_weights import Server, args_for, make_model, make_tls_cert, run
 
 REV = "0123456789abcdef0123456789abcdef01234567"

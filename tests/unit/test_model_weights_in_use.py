@@ -1,6 +1,6 @@
 """model_weights never prunes a revision that a vLLM instance record names (issue 15, item 3: revisions roll).
 
-Records follow the contract of library/vllm_instance.py (/etc/vllm/<name>.record.json and
+Records follow the contract of plugins/modules/vllm_instance.py (/etc/vllm/<name>.record.json and
 /etc/vllm/rollback/<name>.record.json, schema 1, model_path = the revision directory the unit loads); here they
 live in tmp_path and the module reads them through in_use_records. The last test serves the second revision of the
 embedded default's tiny model (.cache/model-src/tiny-pd-r2, scripts/bootstrap.d/50-tiny-model) as the revision-roll
@@ -13,9 +13,9 @@ import json
 import os
 from pathlib import Path
 
-import model_manifest as mm
 import pytest
 from ansible.module_utils import basic
+from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
 from conftest import ROOT
 from test_model_weights import args_for, make_model, run, tree
 

@@ -1,4 +1,4 @@
-"""pd_async_job / module_utils/pd_async: an async job whose processes are gone fails at once, not at the limit.
+"""pd_async_job / plugins/module_utils/pd_async: an async job whose processes are gone fails at once, not at the limit.
 
 Most tests use a fake /proc (a directory of <pid>/cmdline files) and hand-written results files; one spawns a
 real short-lived process; one drives the module through ansible-playbook on localhost. The role tests check
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import jinja2
-import pd_async
 import pytest
 import yaml
+from ansible_collections.b300.pd.plugins.module_utils import pd_async
 from conftest import ROOT, load_library, run_module
 
 mod = load_library("pd_async_job")
@@ -220,7 +220,7 @@ def test_through_ansible_playbook_a_vanished_job_fails_on_the_first_look(tmp_pat
             {"name": "Old path: async_status on it", "ansible.builtin.async_status": {"jid": "j777777777777.1"},
              "register": "old"},
             {"name": "Old path said", "ansible.builtin.assert": {"that": ["old is not finished"]}},
-            {"name": "Wait for the job", "pd_async_job": {
+            {"name": "Wait for the job", "b300.pd.pd_async_job": {
                 "jid": "j777777777777.1", "results_file": str(results), "description": "test job",
                 "host": "{{ inventory_hostname }}"},
              "register": "r", "until": "r is finished", "retries": 50, "delay": 10}]}]))
@@ -251,9 +251,10 @@ def test_every_async_task_is_waited_for_by_pd_async_job(path):
         t, wait = tasks[i], tasks[i + 1]
         assert t["poll"] == 0, f"{path}: {t['name']} polls with async_status (poll: {t['poll']})"
         job = t["register"]
-        assert wait.get("pd_async_job", {}).get("jid") == "{{ " + job + ".ansible_job_id }}", (path, wait.get("name"))
-        assert wait["pd_async_job"]["results_file"] == "{{ " + job + ".results_file }}"
-        assert wait["pd_async_job"]["host"] == "{{ inventory_hostname }}"
+        waiter = wait.get("b300.pd.pd_async_job", {})
+        assert waiter.get("jid") == "{{ " + job + ".ansible_job_id }}", (path, wait.get("name"))
+        assert waiter["results_file"] == "{{ " + job + ".results_file }}"
+        assert waiter["host"] == "{{ inventory_hostname }}"
         assert wait["until"] == f"{wait['register']} is finished"
         assert wait["when"] == f"{job} is not skipped"
         assert wait["delay"] in (10, "{{ model_weights_async_poll | int }}")  # a vanished job fails within ~15 s

@@ -1,20 +1,18 @@
-"""The cluster view (module_utils/pd_topology.py cluster_view, published as pd_cluster by playbooks/validate.yml and
-loaded by bench/pd_cluster.py): on both real inventories it holds exactly what main's roles rendered from hostvars
+"""The cluster view (plugins/module_utils/pd_topology.py cluster_view, published as pd_cluster by
+playbooks/validate.yml and loaded by bench/pd_cluster.py): on both real inventories it holds exactly what main's
+roles rendered from hostvars
 (values below were taken from main's rendered prometheus.yml, router units, rulesets and verify defaults)."""
 
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "module_utils"))
-from pd_cluster import load  # noqa: E402
-from pd_topology import TopologyError, cluster_view  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_cluster import load  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_topology import TopologyError, cluster_view  # noqa: E402
 
 
 @functools.cache

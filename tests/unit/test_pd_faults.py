@@ -7,18 +7,14 @@ real load generator against a port where nothing listens.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from ansible_collections.b300.pd.bench import pd_faults
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-_spec = importlib.util.spec_from_file_location("pd_faults", ROOT / "bench" / "pd_faults.py")
-pd_faults = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pd_faults)
 
 
 def _closed_port() -> int:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import shutil
 import socket
@@ -28,15 +27,13 @@ import jinja2
 import pytest
 import yaml
 from ansible.errors import AnsibleError
+from ansible_collections.b300.pd.plugins.plugin_utils import pd_frontdoor as pdf
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "pd_frontdoor"
 ERR = (ValueError, AnsibleError)  # the filters raise AnsibleFilterError under Ansible
 KEY = "k" * 8 + "0123456789abcdef0123456789abcdef"
 
-_spec = importlib.util.spec_from_file_location("pd_frontdoor_filters", ROLE / "filter_plugins" / "pd_frontdoor.py")
-pdf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pdf)
 
 
 def _units(*ports_modes):

@@ -1,4 +1,4 @@
-"""library/pd_instance_ready.py: a restarted instance is waited for until /health answers 200, and a unit that
+"""plugins/modules/pd_instance_ready.py: a restarted instance is waited for until /health answers 200, and a unit that
 fails or is restarted by systemd while starting fails the wait at once, with its journal (issue #15: before, a
 start that failed was noticed only after the whole 900 s readiness timeout)."""
 

@@ -1,4 +1,4 @@
-"""library/pd_instance_state.py: what an instance runs now comes from the records vllm_instance wrote (the saved
+"""plugins/modules/pd_instance_state.py: what an instance runs now comes from the records vllm_instance wrote (the saved
 previous state while a restart is pending), never from the unit text (issue #15)."""
 
 from __future__ import annotations

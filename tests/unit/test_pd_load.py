@@ -8,7 +8,6 @@ arrival number, the counts are exact whatever the client's concurrency. Nothing 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -21,13 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from ansible_collections.b300.pd.bench import pd_load
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "pd_load.py"
-_spec = importlib.util.spec_from_file_location("pd_load", SCRIPT)
-pd_load = importlib.util.module_from_spec(_spec)
-sys.modules["pd_load"] = pd_load  # dataclasses resolve their module by name
-_spec.loader.exec_module(pd_load)
 
 
 # ------------------------------------------------------------------------------------------ fake server

@@ -6,8 +6,8 @@ import copy
 import json
 import re
 
-import pd_recipe as r
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe as r
 
 PY = "/opt/vllm/current/bin/python"
 

@@ -8,25 +8,17 @@ instance that is out, and a colocated registry only appears when no same-key pai
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import build_argv, compat_key  # noqa: E402
+from ansible_collections.b300.pd.plugins.plugin_utils import pd_rollout as ro
 from conftest import load_inventory  # noqa: E402
-from pd_recipe import build_argv, compat_key  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-from pd_cluster import load as load_cluster  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_cluster import load as load_cluster  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location(
-    "pd_rollout_filters", ROOT / "roles" / "pd_rollout" / "filter_plugins" / "pd_rollout.py")
-ro = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ro)
 
 def topo(name):
     inv = load_inventory(name)

@@ -19,13 +19,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_pd_router_workers import QuietJSONHandler, call, router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-from pd_cluster import view_from  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_cluster import view_from  # noqa: E402
 
 TOOL = ROOT / "roles" / "pd_router" / "files" / "pd_router_workers.py"
 
@@ -99,7 +96,7 @@ PLAYBOOK = """
   gather_facts: false
   tasks:
     - name: Route with nothing out
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: route.yml}
       vars: {_pd_rollout_out: []}
 
 - name: One decode instance out, checked, back
@@ -108,30 +105,31 @@ PLAYBOOK = """
   vars:
     _pd_rollout_inst: "{{ pd_instances[0] }}"
     _pd_rollout_url: "http://127.0.0.1:{{ pd_instances[0].http_port }}"
-    _pd_rollout_topology: "{{ pd_cluster | pd_rollout_topology(groups['vllm_hosts']) }}"
+    _pd_rollout_topology: "{{ pd_cluster | b300.pd.pd_rollout_topology(groups['vllm_hosts']) }}"
     _pd_rollout_req: {model: m, prompt: hi, max_tokens: 3, temperature: 0, ignore_eos: true}
   tasks:
     - name: Drain
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: route.yml}
       vars: {_pd_rollout_out: [decode-0], _pd_rollout_target_key: k}
     - name: Mode while out
       ansible.builtin.copy:
-        content: "{{ {'mode': _pd_rollout_wanted | pd_rollout_routing_mode, 'route': _pd_rollout_route} | to_json }}"
+        content: >-
+          {{ {'mode': _pd_rollout_wanted | b300.pd.pd_rollout_routing_mode, 'route': _pd_rollout_route} | to_json }}
         dest: "{{ out_dir }}/out.json"
         mode: "0644"
     - name: Wait idle
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: wait_idle.yml}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: wait_idle.yml}
     - name: Ready
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: ready.yml}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: ready.yml}
     - name: Smoke
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: smoke.yml}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: smoke.yml}
       vars: {_pd_rollout_key: k}
     - name: Back
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: route.yml}
       vars: {_pd_rollout_out: [], _pd_rollout_target_key: k}
     - name: Mode after
       ansible.builtin.copy:
-        content: "{{ {'mode': _pd_rollout_wanted | pd_rollout_routing_mode, 'route': _pd_rollout_route,
+        content: "{{ {'mode': _pd_rollout_wanted | b300.pd.pd_rollout_routing_mode, 'route': _pd_rollout_route,
                       'partner': _pd_rollout_partner} | to_json }}"
         dest: "{{ out_dir }}/in.json"
         mode: "0644"
@@ -166,13 +164,14 @@ def inventory(tmp_path, p0, p1, d0, router_url):
 def run(tmp_path, inv, playbook, extra=()):
     pb = tmp_path / "pb.yml"
     pb.write_text(textwrap.dedent(playbook))
-    # ready.yml asks systemd for the unit's state (library/pd_instance_ready.py); there is none here: a systemctl
-    # that reports every unit running, never restarted (the module's own tests cover failed and crash-looping units).
+    # ready.yml asks systemd for the unit's state (plugins/modules/pd_instance_ready.py); there is none here: a
+    # systemctl that reports every unit running, never restarted (the module's own tests cover failed and
+    # crash-looping units).
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir(exist_ok=True)
     (fake_bin / "systemctl").write_text("#!/bin/sh\nprintf 'ActiveState=active\\nSubState=running\\nNRestarts=0\\n'\n")
     (fake_bin / "systemctl").chmod(0o755)
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ROOT / "roles"),
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
                ANSIBLE_FACT_CACHING="memory", PATH=f"{fake_bin}:{os.environ.get('PATH', '')}")
     return subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv), str(pb), *extra],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
@@ -233,7 +232,7 @@ INSTANCE_PLAYBOOK = """
   gather_facts: false
   tasks:
     - name: Route with nothing out
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: route.yml}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: route.yml}
       vars: {_pd_rollout_out: []}
 
 - name: Change the decode instance (it never goes idle, so the drain fails before any restart)
@@ -241,7 +240,7 @@ INSTANCE_PLAYBOOK = """
   gather_facts: false
   tasks:
     - name: Roll
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: instance}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: instance}
       vars:
         pd_rollout_instance: "{{ pd_instances[0] }}"
         pd_rollout_target_record: {python: /q/bin/python, venv: /q, vllm_version: "1", nixl_version: "1",
@@ -287,7 +286,7 @@ SETTLE_PLAYBOOK = """
     _pd_rollout_inst: "{{ pd_instances[0] }}"
   tasks:
     - name: Wait idle
-      ansible.builtin.include_role: {name: pd_rollout, tasks_from: wait_idle.yml}
+      ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: wait_idle.yml}
       vars: {pd_rollout_drain_settle_s: "{{ settle }}"}
 """
 

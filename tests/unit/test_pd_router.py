@@ -11,19 +11,18 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.b300.pd.plugins.plugin_utils import pd_router as pdr
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "pd_router"
@@ -31,15 +30,8 @@ ROUTER_VENV = ROOT / ".cache" / "router-venv"
 ROUTER_PY = ROUTER_VENV / "bin" / "python"
 ANY = "0.0.0.0"  # noqa: S104 - the router's bind address in the inventories, compared not bound here
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ansible_collections.b300.pd.bench.pd_cluster import load as load_cluster  # noqa: E402
 from conftest import load_inventory  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "bench"))
-from pd_cluster import load as load_cluster  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("pd_router_filters", ROLE / "filter_plugins" / "pd_router.py")
-pdr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pdr)
 
 DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
 
@@ -212,7 +204,7 @@ def test_unit_rendered_by_ansible_from_the_role(tmp_path):
           tasks:
             - name: Derive
               ansible.builtin.include_role:
-                name: pd_router
+                name: b300.pd.pd_router
                 tasks_from: config.yml
                 public: true
             - name: Template
@@ -225,7 +217,7 @@ def test_unit_rendered_by_ansible_from_the_role(tmp_path):
                 loop_var: _pd_router_unit
               delegate_to: localhost
     """))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"))
     p = subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv_dir), str(pb)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

@@ -8,7 +8,6 @@ instance, and log what they get): what docs/upgrades.md reports is checked here.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import socket
 import subprocess
@@ -28,22 +27,11 @@ ROLE = ROOT / "roles" / "pd_router"
 ROUTER_VENV = ROOT / ".cache" / "router-venv"
 TOOL = ROLE / "files" / "pd_router_workers.py"
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ansible_collections.b300.pd.bench.pd_cluster import load as load_cluster  # noqa: E402
+from ansible_collections.b300.pd.plugins.plugin_utils import pd_router as pdr  # noqa: E402
+from ansible_collections.b300.pd.roles.pd_router.files import pd_router_workers as prw  # noqa: E402
 from conftest import load_inventory  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "bench"))
-from pd_cluster import load as load_cluster  # noqa: E402
-
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-prw = _load("pd_router_workers_tool", TOOL)
-pdr = _load("pd_router_filters_igw", ROLE / "filter_plugins" / "pd_router.py")
 DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
 
 P0, P1, D0 = "http://p0:1", "http://p1:1", "http://d0:1"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 
-import pd_topology
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import pd_topology
 from conftest import load_inventory, load_library, run_module, topology_input
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import copy
 import math
 
-import pd_recipe
-import pd_topology
 import pytest
 import yaml
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_topology
 from conftest import ROOT, load_inventory, load_library, run_module, topology_input
 
 INJECTION = "GLM\n[Service]\nExecStartPre=/bin/sh -c 'touch /tmp/pwned'"
@@ -255,7 +254,7 @@ def test_validate_playbook_passes_every_listener_with_its_role_default():
     """The listeners validate.yml hands to pd_topology are port vars that the roles really define."""
     play = yaml.safe_load((ROOT / "playbooks" / "validate.yml").read_text())[0]
     listeners = play["vars"]["_pd_listeners"]
-    assert "services" in play["tasks"][0]["block"][0]["pd_topology"]
+    assert "services" in play["tasks"][0]["block"][0]["b300.pd.pd_topology"]
     fields = {(entry["role"], entry["field"]) for entry in listeners}
     assert fields >= {("pd_router", "pd_router_port"), ("pd_frontdoor", "pd_frontdoor_metrics_port"),
                       ("observability", "observability_prometheus_port"), ("node_exporter", "node_exporter_port")}

@@ -8,7 +8,6 @@ count) — or, when told to, recomputes (local_compute only) or corrupts a token
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import threading
@@ -18,11 +17,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+from ansible_collections.b300.pd.roles.pd_verify.files import pd_verify as pv
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("pd_verify", ROOT / "roles" / "pd_verify" / "files" / "pd_verify.py")
-pv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pv)
 
 MODEL = "tiny-pd"
 

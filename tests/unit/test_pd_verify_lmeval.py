@@ -8,17 +8,18 @@ wrong answers lower the score and fail the threshold, chat mode sends the chat_t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.b300.pd.plugins.modules import pd_verify_lmeval as lm
+from ansible_collections.b300.pd.roles.pd_verify.files import pd_verify as pv
+from ansible_collections.b300.pd.roles.pd_verify.files.lm_eval_tasks import pd_scoring as scoring
 from conftest import load_inventory, run_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,17 +29,6 @@ LM_EVAL = Path(os.environ.get("PD_LMEVAL", ROOT / ".cache" / "lmeval-venv" / "bi
 KEY = "k" * 64
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-lm = _load("pd_verify_lmeval_module", ROLE / "library" / "pd_verify_lmeval.py")
-scoring = _load("pd_scoring", TASKS_DIR / "pd_scoring.py")
-pv = _load("pd_verify_script", ROLE / "files" / "pd_verify.py")
 
 
 def params(inv_name, **over):

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
-from model_manifest import ManifestError, RsyncFetcher
+from ansible_collections.b300.pd.plugins.module_utils.model_manifest import ManifestError, RsyncFetcher
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "model_weights"
@@ -58,7 +58,7 @@ def _peer_source(seed_revision_path: str, pin: list[str], ssh_setup: bool = True
         "model_weights_peer_ssh_args": ["-o", "ConnectTimeout=10"], "_model_weights_peer_ssh_pin": pin,
         "hostvars": {SEED: {"_model_weights_seed": {"revision_path": seed_revision_path}}},
     }
-    src = task["model_weights"]["source"]
+    src = task["b300.pd.model_weights"]["source"]
     return {"path": _render(src["path"], variables).strip(), "ssh_args": _render(src["ssh_args"], variables)}
 
 

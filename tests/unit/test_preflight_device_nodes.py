@@ -1,6 +1,6 @@
 """preflight on GPU hosts: the device nodes the sandboxed vLLM unit opens exist (issue #18).
 
-The vLLM unit has DevicePolicy=closed with a DeviceAllow list (module_utils/pd_recipe.py UNIT_DEVICE_ALLOW), no
+The vLLM unit has DevicePolicy=closed with a DeviceAllow list (plugins/module_utils/pd_recipe.py UNIT_DEVICE_ALLOW), no
 capability and ProtectKernelModules: it cannot make a node that is missing at start. gpu_facts' check_device_nodes
 looks for each node in a fake /dev tree (dev_dir) and a fake /sys/class/infiniband (rdma_sysfs_dir); the GPUs are
 those of the constructed B300 sample and the real H200 capture. main had no such check: every test here fails there
@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import gpu_facts as gf
-import pd_recipe
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import gpu_facts as gf
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
 from conftest import load_library, run_module
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"

@@ -16,7 +16,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jinja2
@@ -26,8 +25,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "observability"
-sys.path.insert(0, str(ROOT / "bench"))
-from pd_cluster import view_from  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_cluster import view_from  # noqa: E402
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 INVENTORIES = ("local", "b300")

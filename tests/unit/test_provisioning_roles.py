@@ -9,18 +9,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from ansible_collections.b300.pd.roles.rdma_nixl.files import nixl_transport_check as ntc
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = importlib.util.spec_from_file_location("nixl_transport_check",
-                                              ROOT / "roles/rdma_nixl/files/nixl_transport_check.py")
-ntc = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(ntc)
 
 # Output of ucp_context_print_info on a host with UCX_TLS unset (captured with the libucp of nixl-cu12 1.5.1).
 UCP_INFO = """#

@@ -7,14 +7,11 @@ host with rdma-core 44 installed, UCX_TLS=tcp,self,sm, UCX_MODULES unset.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from ansible_collections.b300.pd.roles.rdma_nixl.files import nixl_transport_check as ntc
+
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = importlib.util.spec_from_file_location("nixl_transport_check",
-                                              ROOT / "roles/rdma_nixl/files/nixl_transport_check.py")
-ntc = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(ntc)
 
 LIBS = "/opt/vllm/venvs/molecule/lib/python3.11/site-packages/nixl_cu13.libs"
 SYS = "/usr/lib/x86_64-linux-gnu"

@@ -44,6 +44,8 @@ def test_the_bundle_has_entry_point_callers():
 
 @pytest.mark.parametrize(("caller", "role", "entry"), CALLERS)
 def test_entry_point_is_validated_by_its_argument_spec(caller, role, entry):
+    assert role.startswith("b300.pd."), f"{caller}: name role {role!r} by its FQCN (b300.pd.<role>)"
+    role = role.removeprefix("b300.pd.")
     specs = yaml.safe_load((ROOT / "roles" / role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
     assert not entry.endswith((".yml", ".yaml")), (
         f"{caller}: tasks_from {entry!r}: Ansible looks up the argument_spec entry point by this exact name, so "

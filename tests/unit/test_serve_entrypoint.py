@@ -4,7 +4,7 @@
   (cmd() runs for real; only the launch functions it ends in are replaced, to read the count they get);
 - roles/vllm_install/files/pd_vllm_cli.py, installed into a venv as vllm_install does, runs vLLM's CLI main() in
   the CPU build (where the `vllm` console script fails) without changing vLLM's platform detection or plugins;
-- library/vllm_instance.py checks that entry point in the unit's own venv with the real parser.
+- plugins/modules/vllm_instance.py checks that entry point in the unit's own venv with the real parser.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 import subprocess
 from pathlib import Path
 
-import pd_recipe
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
 from conftest import ROOT, VLLM_VENV_PY, load_inventory, load_library, need_vllm_venv, run_module
 
 vllm_instance = load_library("vllm_instance")

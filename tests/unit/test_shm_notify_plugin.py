@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.b300.pd.roles.vllm_install.files import pd_shm_notify
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
 PLUGIN_DIR = ROOT / "roles" / "vllm_install" / "files"
-sys.path.insert(0, str(PLUGIN_DIR))
-import pd_shm_notify  # noqa: E402
 
 CHILD = r"""
 import json, os, sys, tempfile, time
@@ -134,8 +132,7 @@ def test_a_changed_vllm_is_left_alone():
 
 
 def test_inventory_validation_names_the_field_and_the_rule():
-    sys.path.insert(0, str(ROOT))
-    from module_utils.pd_recipe import check_env_dict
+    from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import check_env_dict
 
     problems = check_env_dict({"PD_SHM_NOTIFY_HWM": "0", "PD_SHM_BUSY_LOOP_S": "0", "PD_NIXL_PROGRESS_DELAY_US": "x"},
                               "pd_vllm_env", "inventory/local group_vars")

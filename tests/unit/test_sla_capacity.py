@@ -7,21 +7,17 @@ file that `vllm bench serve --save-result` wrote against the live local stack (t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.b300.pd.bench import sla_capacity as cap
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "sla_capacity.py"
 FIXTURE = ROOT / "tests" / "fixtures" / "capacity" / "vllm_bench_serve_result.json"
-_spec = importlib.util.spec_from_file_location("sla_capacity", SCRIPT)
-cap = importlib.util.module_from_spec(_spec)
-sys.modules["sla_capacity"] = cap  # dataclasses resolve their module by name
-_spec.loader.exec_module(cap)
 
 SLA = cap.Sla(ttft_mean_ms=2500.0, tpot_mean_ms=20.0)
 
@@ -696,9 +692,7 @@ def test_a_sweep_is_centred_on_the_searchs_crossing_or_on_its_max_rate(tmp_path,
 
 
 def test_capacity_compare_reads_two_reports_and_refuses_the_wrong_ones(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("capacity_compare", ROOT / "bench" / "capacity_compare.py")
-    compare_cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare_cli)
+    from ansible_collections.b300.pd.bench import capacity_compare as compare_cli
     search = _report("search", [{"context": 256, "max_rate": 53.82, "fail_rate": 56.2,
                                  "points": [_pt(r, t) for r, t in SEARCH_256]}])
     sweep = _report("sweep", [{"context": 256, "max_rate": 0.0, "fail_rate": 48.44,

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import jinja2
 import pytest
+from ansible_collections.b300.pd.scripts import make_tiny_model as mtm
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / ".cache" / "model-src"
 MODEL = SRC / "tiny-pd"
-sys.path.insert(0, str(ROOT / "scripts"))
-import make_tiny_model as mtm  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import re
 import shutil
 import subprocess
 
-import pd_recipe
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
 from conftest import load_inventory
 
 PYTHON = "/opt/vllm/current/bin/python"

@@ -119,7 +119,7 @@ def trees(tmp_path_factory):
         })
     pb = out / "render.yml"
     pb.write_text(yaml.safe_dump(plays, sort_keys=False))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ROOT / "roles"))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"))
     p = subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(ROOT / "inventory" / "local"),
                         str(pb)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, check=False)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]

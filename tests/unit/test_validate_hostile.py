@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import copy
 
-import pd_recipe
-import pd_topology
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_topology
 from conftest import load_inventory, topology_input
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

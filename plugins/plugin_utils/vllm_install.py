@@ -92,26 +92,3 @@ def lock_problems(text: str, package: str, version: str) -> list[str]:
         return [f"the constraints lock pins {name}=={pins[name]} but {version} is wanted: regenerate the lock "
                 "(scripts/bootstrap.d/40-wheelhouse) or point pd_vllm_constraints_file at the right one"]
     return []
-
-
-def _wrap(fn):
-    def inner(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ValueError as e:
-            from ansible.errors import AnsibleFilterError
-
-            raise AnsibleFilterError(str(e)) from e
-
-    return inner
-
-
-class FilterModule:
-    """vllm_install filters."""
-
-    def filters(self):
-        return {
-            "vllm_install_venv_name": _wrap(venv_name),
-            "vllm_install_pip_source_args": _wrap(pip_source_args),
-            "vllm_install_lock_problems": _wrap(lock_problems),
-        }

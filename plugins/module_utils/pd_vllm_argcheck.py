@@ -3,8 +3,8 @@
 """Parse every vLLM instance's argv with the pinned vLLM's own `serve` parser, in ONE process.
 
 Two sides in one file:
-- library/pd_vllm_argv_check.py (Ansible's Python) imports the constants and parse_report(), and runs this file's
-  source with the control node's vLLM venv python (`python -c <source>`, request as JSON on stdin). The file
+- plugins/modules/pd_vllm_argv_check.py (Ansible's Python) imports the constants and parse_report(), and runs this
+  file's source with the control node's vLLM venv python (`python -c <source>`, request as JSON on stdin). The file
   travels inside the module's AnsiballZ payload like any module_utils, so no path into the repository is needed.
 - In the vLLM venv (Python 3.11, no Ansible) main() imports vLLM ONCE (importing it takes ~5-10 s; a process per
   instance made validation minutes long on a large cluster), then for each instance: refuses option words that are

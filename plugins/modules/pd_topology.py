@@ -61,16 +61,14 @@ options:
         role -> that role's defaults/main.yml, for the vars a host does not set.
       - Omitted, no cluster view is returned.
     type: dict
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
+extends_documentation_fragment:
+  - b300.pd.attributes
+  - b300.pd.attributes.info_module
 """
 
 EXAMPLES = r"""
 - name: Validate the P/D topology
-  pd_topology:
+  b300.pd.pd_topology:
     hosts:
       b300-01:
         ansible_host: 192.0.2.11
@@ -105,7 +103,7 @@ summary:
 cluster:
   description:
     - The cluster view every role, verify, bench and test reads (playbooks/validate.yml publishes it to every host
-      as C(pd_cluster)); composed once, from the validated topology (module_utils/pd_topology.py cluster_view).
+      as C(pd_cluster)); composed once, from the validated topology (plugins/module_utils/pd_topology.py cluster_view).
     - C(instances) (inventory order) each with name, host, address, pool, http_port, url, nixl_side_channel_port,
       nixl_side_channel_ports (one per DP rank), dp_rpc_port; C(pools) pool -> instance names.
     - C(routers) (router_hosts order) each with host, address, client_port, url (its front door), bind_host,
@@ -129,7 +127,7 @@ cluster:
 """
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402 (community.general layout)
-from ansible.module_utils.pd_topology import (  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_topology import (  # noqa: E402
     TopologyError,
     cluster_view,
     summarize,

@@ -41,6 +41,8 @@ options:
     description: The variable that sets the job's async limit, named when async_wrapper killed the job at it.
     type: str
     default: ""
+extends_documentation_fragment:
+  - b300.pd.attributes
 attributes:
   check_mode:
     support: full
@@ -67,7 +69,7 @@ EXAMPLES = r"""
   register: _fetch_job
 
 - name: Wait for the fetch (fails within a poll or two if the job vanished)
-  pd_async_job:
+  b300.pd.pd_async_job:
     jid: "{{ _fetch_job.ansible_job_id }}"
     results_file: "{{ _fetch_job.results_file }}"
     description: "model_weights fetch of {{ rev }}"
@@ -114,7 +116,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402 (community.general layout)
-from ansible.module_utils.pd_async import (  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_async import (  # noqa: E402
     FINISHED,
     RUNNING,
     is_timeout,

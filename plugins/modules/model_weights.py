@@ -17,7 +17,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.model_manifest import (
+from ansible_collections.b300.pd.plugins.module_utils.model_manifest import (
     FETCHED,
     MANIFEST_NAME,
     MISSING,
@@ -74,6 +74,8 @@ description:
     C(scripts/model-manifest)) and are checked against the manifest's file list.
 version_added: "1.0.0"
 author: b300-pd contributors
+extends_documentation_fragment:
+  - b300.pd.attributes
 attributes:
   check_mode:
     support: full
@@ -208,7 +210,7 @@ notes:
 
 EXAMPLES = r"""
 - name: Serve GLM-5.2-NVFP4 at a pinned hub commit
-  model_weights:
+  b300.pd.model_weights:
     root: /mnt/model/glm
     link: /mnt/model/glm/GLM-5.2-NVFP4
     revision: 0123456789abcdef0123456789abcdef01234567
@@ -218,7 +220,7 @@ EXAMPLES = r"""
     token: "{{ pd_hf_token }}"
 
 - name: Copy the revision from the first host
-  model_weights:
+  b300.pd.model_weights:
     root: /mnt/model/glm
     link: /mnt/model/glm/GLM-5.2-NVFP4
     revision: 0123456789abcdef0123456789abcdef01234567
@@ -229,7 +231,7 @@ EXAMPLES = r"""
       path: /mnt/model/glm/revisions/0123456789abcdef0123456789abcdef01234567
 
 - name: A locally generated model on shared storage
-  model_weights:
+  b300.pd.model_weights:
     root: /srv/models
     link: /srv/models/tiny-pd
     revision: "{{ lookup('ansible.builtin.file', 'tiny-pd.REVISION') }}"

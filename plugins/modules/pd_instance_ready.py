@@ -38,16 +38,14 @@ options:
     description: Journal lines of the unit quoted in a failure.
     type: int
     default: 20
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
+extends_documentation_fragment:
+  - b300.pd.attributes
+  - b300.pd.attributes.info_module
 """
 
 EXAMPLES = r"""
 - name: Wait until decode-0 is ready after its restart
-  pd_instance_ready:
+  b300.pd.pd_instance_ready:
     unit: vllm-decode-0.service
     url: http://127.0.0.1:8200/health
     timeout_s: 900

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 
+from ansible_collections.b300.pd.plugins.plugin_utils.pd_filter_errors import fail
+
 POOLS = ("prefill", "decode")
 
 # Flags the role renders itself; extra_args must not set them (two sources of truth).
@@ -38,23 +40,13 @@ _OWNED_FLAGS = {
 }
 
 
-class PdRouterError(ValueError):
-    """Bad topology or settings; the message says where and how to fix it."""
 
-
-def _fail(msg):
-    # AnsibleFilterError when running under Ansible, a plain ValueError subclass in unit tests.
-    try:
-        from ansible.errors import AnsibleFilterError
-    except ImportError:  # pragma: no cover - Ansible is always importable in the control venv
-        raise PdRouterError(msg) from None
-    raise AnsibleFilterError(msg)
 
 
 def pd_router_workers(cluster, hosts=None):
     """Prefill and decode workers of the cluster view's instances on ``hosts`` (default: every vLLM host)."""
     if not isinstance(cluster, dict) or not isinstance(cluster.get("instances"), list):
-        _fail("pd_router: pd_cluster (the cluster view) is not defined; run the role through a playbook that imports "
+        fail("pd_router: pd_cluster (the cluster view) is not defined; run the role through a playbook that imports "
               "playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
               "publishes pd_cluster to every host")
     out = {pool: [] for pool in POOLS}
@@ -63,7 +55,7 @@ def pd_router_workers(cluster, hosts=None):
             out[inst["pool"]].append({"name": inst["name"], "host": inst["host"], "url": inst["url"]})
     for pool in POOLS:
         if not out[pool]:
-            _fail(f"pd_router: no {pool} instance on the hosts of pd_router_worker_group ({', '.join(hosts or [])}); "
+            fail(f"pd_router: no {pool} instance on the hosts of pd_router_worker_group ({', '.join(hosts or [])}); "
                   f"P/D needs at least one (set pd_router_worker_group to a group with {pool} instances)")
     return out
 
@@ -100,7 +92,7 @@ def pd_router_argv(workers, settings):
     argv += ["--host", str(s["host"]), "--port", str(s["port"])]
     argv += ["--prometheus-host", str(s["metrics_host"]), "--prometheus-port", str(s["metrics_port"])]
     if s["port"] == s["metrics_port"]:
-        _fail(f"pd_router: port and metrics_port are both {s['port']}; give them different ports")
+        fail(f"pd_router: port and metrics_port are both {s['port']}; give them different ports")
     for key, flag in (("policy", "policy"), ("prefill_policy", "prefill-policy"), ("decode_policy", "decode-policy")):
         if s.get(key):
             argv += [f"--{flag}", str(s[key])]
@@ -122,7 +114,7 @@ def pd_router_argv(workers, settings):
         if val is None or val == "":
             continue
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-            _fail(f"pd_router: pd_router_{key} is {val!r}; set a non-negative integer")
+            fail(f"pd_router: pd_router_{key} is {val!r}; set a non-negative integer")
         argv += [f"--{flag}", str(val)]
     if s.get("health_check_endpoint"):
         argv += ["--health-check-endpoint", str(s["health_check_endpoint"])]
@@ -131,7 +123,7 @@ def pd_router_argv(workers, settings):
     for raw_flag, value in (s.get("extra_args") or {}).items():
         flag = str(raw_flag).lstrip("-")
         if flag in _OWNED_FLAGS:
-            _fail(f"pd_router: pd_router_extra_args sets '--{flag}', which the role renders from its own "
+            fail(f"pd_router: pd_router_extra_args sets '--{flag}', which the role renders from its own "
                   f"variable; remove it from pd_router_extra_args and set the pd_router_ variable instead")
         argv += _flag_args(flag, value)
     return argv
@@ -143,7 +135,7 @@ UNIT_MODES = ("pd", "colocated")
 
 def _port(value, field):
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        _fail(f"pd_router: {field} is {value!r}; set an integer port 1-65535")
+        fail(f"pd_router: {field} is {value!r}; set an integer port 1-65535")
     return value
 
 
@@ -171,32 +163,32 @@ def pd_router_colocated_argv(workers, settings):
 def pd_router_units(units, workers, settings):
     """The router units of one host, each with its argv (see the module docstring)."""
     if not isinstance(units, list) or not units:
-        _fail("pd_router: pd_router_units is empty or not a list; list the router units of a router host, e.g. "
+        fail("pd_router: pd_router_units is empty or not a list; list the router units of a router host, e.g. "
               "[{name: vllm-router, mode: pd, port: 8001, metrics_port: 29000}, "
               "{name: vllm-router-colocated, mode: colocated, port: 8002, metrics_port: 29001}]")
     client_port = settings.get("client_port")
     out, names, ports = [], {}, {}
     for idx, unit in enumerate(units):
         if not isinstance(unit, dict):
-            _fail(f"pd_router: pd_router_units[{idx}] is {unit!r}; give a mapping with name, mode, port, metrics_port")
+            fail(f"pd_router: pd_router_units[{idx}] is {unit!r}; give a mapping with name, mode, port, metrics_port")
         name = unit.get("name")
         where = f"pd_router_units[{idx}] ({name or 'no name'})"
         if not isinstance(name, str) or not name.startswith("vllm-router") or not set(name) <= _UNIT_NAME_CHARS:
-            _fail(f"pd_router: {where}: field 'name' is {name!r}; use a systemd unit name starting with "
+            fail(f"pd_router: {where}: field 'name' is {name!r}; use a systemd unit name starting with "
                   "'vllm-router' made of a-z, 0-9 and '-' (e.g. vllm-router-2)")
         mode = unit.get("mode")
         if mode not in UNIT_MODES:
-            _fail(f"pd_router: {where}: field 'mode' is {mode!r}; set 'pd' (P/D router) or 'colocated' "
+            fail(f"pd_router: {where}: field 'mode' is {mode!r}; set 'pd' (P/D router) or 'colocated' "
                   "(regular router over the prefill pool, the backup path)")
         port = _port(unit.get("port"), f"{where}: field 'port'")
         metrics_port = _port(unit.get("metrics_port"), f"{where}: field 'metrics_port'")
         if name in names:
-            _fail(f"pd_router: {where}: name '{name}' is also pd_router_units[{names[name]}]; names must be unique")
+            fail(f"pd_router: {where}: name '{name}' is also pd_router_units[{names[name]}]; names must be unique")
         for p, field in ((port, "port"), (metrics_port, "metrics_port")):
             if p in ports:
-                _fail(f"pd_router: {where}: {field} {p} is also used by {ports[p]}; give every unit its own ports")
+                fail(f"pd_router: {where}: {field} {p} is also used by {ports[p]}; give every unit its own ports")
             if p == client_port:
-                _fail(f"pd_router: {where}: {field} {p} is the client port (pd_router_port), where the front door "
+                fail(f"pd_router: {where}: {field} {p} is the client port (pd_router_port), where the front door "
                       "listens; give the unit another port")
             ports[p] = f"{name} {field}"
         names[name] = idx
@@ -205,14 +197,14 @@ def pd_router_units(units, workers, settings):
                 else pd_router_colocated_argv(workers, unit_settings))
         out.append({"name": name, "mode": mode, "port": port, "metrics_port": metrics_port, "argv": argv})
     if not any(u["mode"] == "pd" for u in out):
-        _fail("pd_router: pd_router_units has no unit with mode: pd; a router host needs at least one P/D router")
+        fail("pd_router: pd_router_units has no unit with mode: pd; a router host needs at least one P/D router")
     return out
 
 
 def pd_router_registry(workers, model_id):
     """The IGW registry entries of the topology: every prefill and decode instance of ``workers``."""
     if not model_id or not isinstance(model_id, str):
-        _fail(f"pd_router: pd_router_model_id is {model_id!r}; set it to the served model name "
+        fail(f"pd_router: pd_router_model_id is {model_id!r}; set it to the served model name "
               "(pd_served_model_name): IGW mode routes a request by its model")
     return [{"url": w["url"], "worker_type": pool, "model_id": model_id, "name": w["name"]}
             for pool in POOLS for w in workers[pool]]
@@ -228,16 +220,3 @@ def pd_router_quote(argv):
         else:
             out.append('"' + a.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$") + '"')
     return " ".join(out)
-
-
-class FilterModule:
-    """pd_router filters."""
-
-    def filters(self):
-        return {
-            "pd_router_workers": pd_router_workers,
-            "pd_router_argv": pd_router_argv,
-            "pd_router_units": pd_router_units,
-            "pd_router_registry": pd_router_registry,
-            "pd_router_quote": pd_router_quote,
-        }

@@ -2,7 +2,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Render one vLLM instance (flags, argv, environment, systemd unit) from the recipe vars.
 
-Pure functions, no I/O: used by library/vllm_instance.py, library/pd_topology.py and the tests.
+Pure functions, no I/O: used by plugins/modules/vllm_instance.py, plugins/modules/pd_topology.py and the tests.
 The contract (inventory schema, flag rendering rules) is docs/architecture.md.
 Bad input raises RecipeError with a message naming the instance, the field and the fix.
 """
@@ -340,7 +340,7 @@ def build_argv(recipe, instance, model_path=None):
     """Arguments after `vllm serve`: the model (positional, as in the recipe), then the flags.
 
     model_path: what the unit loads instead of pd_model_path, the revision directory the served symlink points to
-    (library/vllm_instance.py pins it, so a switch of the symlink changes the unit and rolls through the drain).
+    (plugins/modules/vllm_instance.py pins it, so a switch of the symlink changes the unit and rolls through the drain).
     """
     model = recipe.get("pd_model_path")
     if not isinstance(model, str) or not model.startswith("/"):

@@ -5,7 +5,8 @@
 # one line per file sorted by path, "<path>\t<size>\t<sha256>\n" (UTF-8). A 64-hex revision is therefore
 # checkable against the file list; a 40-hex revision is a Hugging Face commit id and is checked against the hub.
 #
-# Stdlib only: runs on the managed hosts (as ansible.module_utils.model_manifest) and on the control node.
+# Stdlib only: runs on the managed hosts (as ansible_collections.b300.pd.plugins.module_utils.model_manifest)
+# and on the control node.
 
 import errno
 import glob
@@ -679,8 +680,9 @@ def manifest_differences(local, source):
 
 # ---------------------------------------------------------------- revisions in use by vLLM instances
 #
-# library/vllm_instance.py writes one record per instance (/etc/vllm/<name>.record.json, and the rollback target's
-# under /etc/vllm/rollback/): JSON of schema 1 whose model_path is the revision directory the unit loads and whose
+# plugins/modules/vllm_instance.py writes one record per instance (/etc/vllm/<name>.record.json, and the
+# rollback target's under /etc/vllm/rollback/): JSON of schema 1 whose model_path is the revision directory the unit
+# loads and whose
 # model_revision is that directory's name (null when model_path is not under a "revisions" directory).
 
 INSTANCE_RECORD_SCHEMA = 1

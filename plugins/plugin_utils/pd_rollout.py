@@ -20,39 +20,32 @@ every label set of a vLLM ``/metrics`` page; None when neither metric is there.
 and none of them has a record (``source`` none): a first deploy, where every host may start at once.
 
 The compatibility keys come from the instances' records (``compat_key``, computed once by
-``module_utils/pd_recipe.py`` when ``vllm_instance`` renders the unit; read back by ``pd_instance_state``).
+``plugins/module_utils/pd_recipe.py`` when ``vllm_instance`` renders the unit; read back by ``pd_instance_state``).
 """
 
 from __future__ import annotations
 
 import re
 
+from ansible_collections.b300.pd.plugins.plugin_utils.pd_filter_errors import fail
+
 POOLS = ("prefill", "decode")
 
 
-class PdRolloutError(ValueError):
-    """Bad input; the message names what and how to fix it."""
 
-
-def _fail(msg):
-    try:
-        from ansible.errors import AnsibleFilterError
-    except ImportError:  # pragma: no cover - Ansible is importable in the control venv
-        raise PdRolloutError(msg) from None
-    raise AnsibleFilterError(msg)
 
 
 def pd_rollout_topology(cluster, hosts=None):
     """The cluster view's instances on ``hosts`` (default every vLLM host) as {name, host, pool, url, http_port}."""
     if not isinstance(cluster, dict) or not isinstance(cluster.get("instances"), list):
-        _fail("pd_rollout: pd_cluster (the cluster view) is not defined; run the role through a playbook that imports "
+        fail("pd_rollout: pd_cluster (the cluster view) is not defined; run the role through a playbook that imports "
               "playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
               "publishes pd_cluster to every host")
     out = [{"name": i["name"], "host": i["host"], "pool": i["pool"], "url": i["url"], "http_port": i["http_port"]}
            for i in cluster["instances"] if hosts is None or i["host"] in hosts]
     for pool in POOLS:
         if not any(t["pool"] == pool for t in out):
-            _fail(f"pd_rollout: no {pool} instance on the hosts of pd_rollout_worker_group ({', '.join(hosts or [])})")
+            fail(f"pd_rollout: no {pool} instance on the hosts of pd_rollout_worker_group ({', '.join(hosts or [])})")
     return out
 
 
@@ -76,11 +69,11 @@ def pd_rollout_order(topology):
 def pd_rollout_routing(topology, keys, out=(), prefer_key=None, model=None):
     """Wanted registry: [{url, worker_type, model_id, name}]; see the module docstring."""
     if not model:
-        _fail("pd_rollout: the model id (pd_served_model_name) is empty")
+        fail("pd_rollout: the model id (pd_served_model_name) is empty")
     out = set(out or [])
     missing = [t["name"] for t in topology if t["name"] not in (keys or {})]
     if missing:
-        _fail(f"pd_rollout: no compatibility key for instance(s) {', '.join(missing)} (facts not gathered)")
+        fail(f"pd_rollout: no compatibility key for instance(s) {', '.join(missing)} (facts not gathered)")
     avail = [t for t in topology if t["name"] not in out]
     counts = {}
     for t in avail:
@@ -95,7 +88,7 @@ def pd_rollout_routing(topology, keys, out=(), prefer_key=None, model=None):
                     for t in pre + dec]
     regular = [t for t in avail if t["pool"] == "prefill"] or [t for t in avail if t["pool"] == "decode"]
     if not regular:
-        _fail(f"pd_rollout: taking {', '.join(sorted(out))} out of rotation leaves no instance to serve; "
+        fail(f"pd_rollout: taking {', '.join(sorted(out))} out of rotation leaves no instance to serve; "
               "a rollout needs at least two instances")
     return [{"url": t["url"], "worker_type": "regular", "model_id": model, "name": t["name"]} for t in regular]
 
@@ -106,7 +99,7 @@ def pd_rollout_keys(groups, hostvars, group="vllm_hosts"):
     for host in (groups or {}).get(group) or []:
         state = hostvars[host].get("pd_rollout_state")
         if not state:
-            _fail(f"pd_rollout: host '{host}' has no pd_rollout_state (run the role's facts.yml on every host of "
+            fail(f"pd_rollout: host '{host}' has no pd_rollout_state (run the role's facts.yml on every host of "
                   f"'{group}' first)")
         for name, st in state.items():
             keys[name] = st["key"]
@@ -155,26 +148,9 @@ def pd_rollout_partner(topology, keys, name, key):
     """Name of an instance of the other pool with compatibility key ``key`` (for the P/D smoke), or ''."""
     me = next((t for t in topology if t["name"] == name), None)
     if me is None:
-        _fail(f"pd_rollout: instance '{name}' is not in the topology")
+        fail(f"pd_rollout: instance '{name}' is not in the topology")
     other = "decode" if me["pool"] == "prefill" else "prefill"
     for t in topology:
         if t["pool"] == other and t["name"] != name and keys.get(t["name"]) == key:
             return t["name"]
     return ""
-
-
-class FilterModule:
-    """pd_rollout filters."""
-
-    def filters(self):
-        return {
-            "pd_rollout_topology": pd_rollout_topology,
-            "pd_rollout_order": pd_rollout_order,
-            "pd_rollout_routing": pd_rollout_routing,
-            "pd_rollout_routing_mode": pd_rollout_routing_mode,
-            "pd_rollout_keys": pd_rollout_keys,
-            "pd_rollout_metric_sum": pd_rollout_metric_sum,
-            "pd_rollout_never_deployed": pd_rollout_never_deployed,
-            "pd_rollout_partner": pd_rollout_partner,
-            "pd_rollout_queue": pd_rollout_queue,
-        }

@@ -4,8 +4,9 @@
 
 Importing vLLM to parse takes about a minute on a loaded node; a re-run of site.yml parses the same argvs with the
 same venv. A key covers the interpreter, a fingerprint of its venv (any pip change misses) and the argvs; only
-accepted argvs are ever recorded, so a rejection always runs the parser. Used by library/vllm_instance.py (on each
-host) and library/pd_vllm_argv_check.py (validate.yml, on the control node).
+accepted argvs are ever recorded, so a rejection always runs the parser. Used by
+plugins/modules/vllm_instance.py (on each host) and plugins/modules/pd_vllm_argv_check.py (validate.yml, on the
+control node).
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ import hashlib
 import json
 import os
 
-try:  # as an Ansible module_util, and imported directly by tests/unit
-    from ansible.module_utils.pd_files import atomic_write
-except ImportError:  # pragma: no cover
-    from pd_files import atomic_write
+from ansible_collections.b300.pd.plugins.module_utils.pd_files import atomic_write
 
 CACHE_MAX = 256
 

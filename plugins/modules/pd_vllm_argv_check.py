@@ -9,7 +9,7 @@ DOCUMENTATION = r"""
 module: pd_vllm_argv_check
 short_description: Parse every vLLM instance's argv with the pinned vLLM's own serve parser, in one process
 description:
-  - Renders each instance's argv (what follows C(vllm serve) in its unit) with C(module_utils/pd_recipe.py)
+  - Renders each instance's argv (what follows C(vllm serve) in its unit) with C(plugins/module_utils/pd_recipe.py)
     C(build_argv), the renderer the units use, from the same O(hosts) and O(recipe) as M(pd_topology).
   - Runs O(python) (the control node's vLLM venv) ONCE for the whole cluster with every argv on stdin; that process
     imports vLLM once (importing it takes seconds; one process per instance made validation minutes long on a large
@@ -50,20 +50,18 @@ options:
     description:
       - JSON file on the control node remembering argv sets this parser accepted with no problem, keyed by the
         interpreter, a fingerprint of its venv (any pip change misses), O(vllm_version) and every instance's argv
-        (C(module_utils/pd_parse_cache.py)). A hit skips the parser run (about a minute of importing vLLM on a
+        (C(plugins/module_utils/pd_parse_cache.py)). A hit skips the parser run (about a minute of importing vLLM on a
         loaded node, on every site.yml run); a set with any problem is never recorded, so it is parsed every time.
       - Unset (the default) means no cache. Not written in check mode.
     type: path
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
+extends_documentation_fragment:
+  - b300.pd.attributes
+  - b300.pd.attributes.info_module
 """
 
 EXAMPLES = r"""
 - name: Parse every instance's argv with the pinned vLLM's serve parser
-  pd_vllm_argv_check:
+  b300.pd.pd_vllm_argv_check:
     hosts: "{{ _pd_topology_hosts }}"
     recipe: "{{ _pd_topology_hosts[_pd_first].recipe }}"
     python: "{{ playbook_dir }}/../.cache/vllm-venv/bin/python"
@@ -99,10 +97,10 @@ import json  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 
-from ansible.module_utils import pd_vllm_argcheck  # noqa: E402
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.pd_parse_cache import cache_key, read_cache, write_cache  # noqa: E402
-from ansible.module_utils.pd_recipe import RECIPE_KEYS, RecipeError, build_argv  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils import pd_vllm_argcheck  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_parse_cache import cache_key, read_cache, write_cache  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import RECIPE_KEYS, RecipeError, build_argv  # noqa: E402
 
 VENV_FIX = (
     "build it with scripts/bootstrap --local (.cache/vllm-venv), or set pd_control_vllm_python to the python of a "

@@ -16,7 +16,10 @@ description:
     C(no_gpu) problem naming the reason, instead of failing.
   - Only reads; supports check mode.
 version_added: "1.0.0"
-author: b300-pd
+author: b300-pd contributors
+extends_documentation_fragment:
+  - b300.pd.attributes
+  - b300.pd.attributes.info_module
 options:
   probe_gpu:
     description:
@@ -127,7 +130,7 @@ notes:
 
 EXAMPLES = r"""
 - name: Probe the GPUs of a B300 host
-  gpu_facts:
+  b300.pd.gpu_facts:
     expected_product: NVIDIA B300
     expected_count: 8
     min_driver_version: "580.0"
@@ -204,11 +207,7 @@ gpu_facts:
 import os  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402  (after the documentation, as in community.general)
-
-try:  # noqa: E402
-    from ansible.module_utils import gpu_facts as gf
-except ImportError:  # pragma: no cover - direct import in unit tests
-    import gpu_facts as gf  # type: ignore
+from ansible_collections.b300.pd.plugins.module_utils import gpu_facts as gf  # noqa: E402
 
 
 def _first_line(text):

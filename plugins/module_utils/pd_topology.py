@@ -13,36 +13,20 @@ import difflib
 import math
 import re
 
-try:  # imported as ansible.module_utils.pd_topology from modules, plainly from tests
-    from ansible.module_utils.pd_recipe import (
-        INSTANCE_NAME_RE,
-        KV_ROLES,
-        POOLS,
-        RECIPE_KEYS,
-        RecipeError,
-        build_argv,
-        build_env,
-        build_flags,
-        check_env_dict,
-        check_flag_dict,
-        check_text,
-        control_char,
-    )
-except ImportError:  # pragma: no cover - tests put module_utils/ on sys.path
-    from pd_recipe import (  # type: ignore[no-redef]
-        INSTANCE_NAME_RE,
-        KV_ROLES,
-        POOLS,
-        RECIPE_KEYS,
-        RecipeError,
-        build_argv,
-        build_env,
-        build_flags,
-        check_env_dict,
-        check_flag_dict,
-        check_text,
-        control_char,
-    )
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import (
+    INSTANCE_NAME_RE,
+    KV_ROLES,
+    POOLS,
+    RECIPE_KEYS,
+    RecipeError,
+    build_argv,
+    build_env,
+    build_flags,
+    check_env_dict,
+    check_flag_dict,
+    check_text,
+    control_char,
+)
 
 REQUIRED_FIELDS = ("name", "pool", "gpus", "tp_size", "dp_size", "http_port", "nixl_side_channel_port")
 OPTIONAL_FIELDS = ("dp_rpc_port", "ucx_net_devices", "extra_flags", "extra_env")

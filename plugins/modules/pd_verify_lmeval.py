@@ -104,6 +104,8 @@ options:
     description: Bearer key of the front door (empty for none).
     type: str
     default: ""
+extends_documentation_fragment:
+  - b300.pd.attributes
 attributes:
   check_mode:
     support: full
@@ -116,7 +118,7 @@ notes:
 
 EXAMPLES = r"""
 - name: Score the tiny model's held-out items through the front door
-  pd_verify_lmeval:
+  b300.pd.pd_verify_lmeval:
     lm_eval: "{{ playbook_dir }}/../.cache/lmeval-venv/bin/lm_eval"
     base_url: http://10.237.0.13:8000
     model: tiny-pd

@@ -1,4 +1,4 @@
-# Shared logic of library/gpu_facts.py: parsers for nvidia-smi output and the checks against expectations.
+# Shared logic of plugins/modules/gpu_facts.py: parsers for nvidia-smi output and the checks against expectations.
 # Pure functions over text (no I/O except the sysfs/disk readers, which take their paths as arguments), so the
 # unit tests feed them real captures from tests/fixtures/gpu/.
 from __future__ import annotations
@@ -451,8 +451,9 @@ def instance_nics(instances):
     return out
 
 
-# Device nodes the sandboxed vLLM unit opens (module_utils/pd_recipe.py UNIT_DEVICE_ALLOW, docs/security.md). The unit
-# has no capability and ProtectKernelModules: it cannot load nvidia-uvm or let nvidia-modprobe (setuid) create a
+# Device nodes the sandboxed vLLM unit opens (plugins/module_utils/pd_recipe.py UNIT_DEVICE_ALLOW,
+# docs/security.md). The unit has no capability and ProtectKernelModules: it cannot load nvidia-uvm or let
+# nvidia-modprobe (setuid) create a
 # missing node, so CUDA would fail at start with no device. Each missing node is one problem naming its fix.
 _FIX_NVIDIA = ("the driver's nodes are made by nvidia-persistenced (roles/nvidia_driver) or, as root, by "
                "`nvidia-modprobe -c {minor}` (with /dev/nvidiactl)")

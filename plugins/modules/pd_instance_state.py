@@ -28,16 +28,14 @@ options:
     description: Where C(vllm_instance) writes env files and records (role vllm_serve's C(vllm_serve_env_dir)).
     type: path
     default: /etc/vllm
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
+extends_documentation_fragment:
+  - b300.pd.attributes
+  - b300.pd.attributes.info_module
 """
 
 EXAMPLES = r"""
 - name: Read what each instance runs now
-  pd_instance_state:
+  b300.pd.pd_instance_state:
     instances: "{{ pd_instances | map(attribute='name') | list }}"
   register: _state
 """
@@ -59,7 +57,7 @@ instances:
 import os  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible.module_utils.pd_recipe import parse_record, pending_marker, running_record_path  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import parse_record, pending_marker, running_record_path  # noqa: E402
 
 
 def _read(path):
