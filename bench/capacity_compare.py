@@ -15,7 +15,9 @@ import argparse
 import json
 import sys
 
-from ansible_collections.b300.pd.bench import sla_capacity  # noqa: E402 - bench/ is not a package
+from ansible_collections.b300.pd.bench.capacity_fit import compare
+from ansible_collections.b300.pd.bench.capacity_plan import UsageError
+from ansible_collections.b300.pd.bench.capacity_report import comparison_markdown, load_report
 
 
 def main(argv=None) -> int:
@@ -27,16 +29,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.fit_window <= 1:
-            raise sla_capacity.UsageError(f"--fit-window {a.fit_window:g}: must be > 1")
-        search, sweep = sla_capacity.load_report(a.search, "search"), sla_capacity.load_report(a.sweep, "sweep")
-    except sla_capacity.UsageError as exc:
+            raise UsageError(f"--fit-window {a.fit_window:g}: must be > 1")
+        search, sweep = load_report(a.search, "search"), load_report(a.sweep, "sweep")
+    except UsageError as exc:
         print(f"capacity_compare: {exc}", file=sys.stderr)
         return 2
-    rows = sla_capacity.compare(search, sweep, a.fit_window)
+    rows = compare(search, sweep, a.fit_window)
     if not rows:
         print("capacity_compare: the two reports share no context length", file=sys.stderr)
         return 2
-    print(json.dumps(rows, indent=2) if a.json else "\n".join(sla_capacity.comparison_markdown(rows)))
+    print(json.dumps(rows, indent=2) if a.json else "\n".join(comparison_markdown(rows)))
     return 0
 
 

@@ -1,11 +1,12 @@
-"""The cluster view for Python tools: the same plugins/module_utils/pd_topology.py cluster_view() that
+"""The cluster view for Python tools: the same plugins/module_utils/pd_cluster_view.py cluster_view() that
 playbooks/validate.yml publishes as pd_cluster, fed from `ansible-inventory --list` (or from hostvars already read).
 
     from ansible_collections.b300.pd.bench.pd_cluster import load
     view = load("inventory/local")       # view["router_url"], view["instances"][0]["url"], view["prometheus_url"]
 
 One code path: view_inputs() picks each host's own value of the vars the view reads, else the owning role's
-default (roles/<role>/defaults/main.yml), exactly as validate.yml passes them to the pd_topology module.
+default (roles/<role>/defaults/main.yml, plugins/plugin_utils/pd_role_defaults.py), exactly as the pd_topology
+action plugin gathers them for validate.yml.
 """
 
 from __future__ import annotations
@@ -15,19 +16,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 
-from ansible_collections.b300.pd.plugins.module_utils.pd_topology import VIEW_VARS, cluster_view, view_inputs  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import (  # noqa: E402
+    VIEW_VARS,
+    cluster_view,
+    view_inputs,
+)
+from ansible_collections.b300.pd.plugins.plugin_utils.pd_role_defaults import role_defaults  # noqa: E402
 
 ANSIBLE_INVENTORY = ROOT / ".venv" / "bin" / "ansible-inventory"
-
-
-def role_defaults() -> dict:
-    """role -> its defaults/main.yml, for the roles that own a var of the view (as validate.yml reads them)."""
-    roles = sorted({r for r in VIEW_VARS.values() if r})
-    return {r: yaml.safe_load((ROOT / "roles" / r / "defaults" / "main.yml").read_text()) or {} for r in roles}
 
 
 def view_from(groups: dict, hostvars: dict) -> dict:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Fault tests under load: what a user of the P/D stack sees when a part fails, and how long recovery takes.
 
-For each scenario a steady request stream runs through the router (bench/pd_load.py's LoadGenerator), the fault
-is injected on the real host (through Ansible ad-hoc commands, the same ssh path the playbooks use), and the
+For each scenario a steady request stream runs through the router (bench/pd_load_generator.py's LoadGenerator),
+the fault is injected on the real host (through Ansible ad-hoc commands, the same ssh path the playbooks use), and the
 script waits for recovery, keeps the load for a settle period, then reports completed / failed requests (by
 class), the longest gap without a completion, and the recovery time.
 
@@ -45,7 +45,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 from ansible_collections.b300.pd.bench.pd_cluster import inventory_data, view_from  # noqa: E402
-from ansible_collections.b300.pd.bench.pd_load import LoadGenerator, client_api_key  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load_config import client_api_key  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load_generator import LoadGenerator  # noqa: E402
 
 VENV_BIN = ROOT / ".venv" / "bin"
 SCENARIOS = ("kill-prefill", "kill-decode", "kill-router", "stop-router", "corrupt-shard", "disk-full")

@@ -39,7 +39,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 from ansible_collections.b300.pd.bench.pd_faults import Stack, wait_until  # noqa: E402
-from ansible_collections.b300.pd.bench.pd_load import client_api_key, latency_stats, percentile, word_prompt  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load_config import client_api_key  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load_generator import latency_stats  # noqa: E402
+from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify import percentile, word_prompt  # noqa: E402
 
 SCHEMA = "pd_latency/1"
 PATHS = ("colocated", "pd", "split_prefill", "split_decode")

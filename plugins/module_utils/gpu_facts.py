@@ -7,6 +7,8 @@ import os
 import re
 import xml.etree.ElementTree as ET
 
+from ansible_collections.b300.pd.plugins.module_utils.model_disk_space import human_bytes, statvfs_nearest
+
 NA_VALUES = ("", "n/a", "[n/a]", "not supported", "[not supported]", "unknown", "[unknown error]", "none")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -236,24 +238,9 @@ def rdma_port_active(dev_info, port=None):
 
 def disk_free(path):
     """Free bytes for `path`, measured on its nearest existing parent (the model root may not exist yet)."""
-    checked = os.path.abspath(path)
-    while not os.path.exists(checked):
-        parent = os.path.dirname(checked)
-        if parent == checked:
-            break
-        checked = parent
-    st = os.statvfs(checked)
+    checked, st = statvfs_nearest(path)
     return {"path": path, "checked_path": checked, "free_bytes": st.f_bavail * st.f_frsize,
             "total_bytes": st.f_blocks * st.f_frsize}
-
-
-def human_bytes(n):
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{n} B"
 
 
 def _problem(kind, message, gpu=None):
@@ -451,7 +438,7 @@ def instance_nics(instances):
     return out
 
 
-# Device nodes the sandboxed vLLM unit opens (plugins/module_utils/pd_recipe.py UNIT_DEVICE_ALLOW,
+# Device nodes the sandboxed vLLM unit opens (plugins/module_utils/pd_unit.py UNIT_DEVICE_ALLOW,
 # docs/security.md). The unit has no capability and ProtectKernelModules: it cannot load nvidia-uvm or let
 # nvidia-modprobe (setuid) create a
 # missing node, so CUDA would fail at start with no device. Each missing node is one problem naming its fix.

@@ -5,8 +5,8 @@
 Importing vLLM to parse takes about a minute on a loaded node; a re-run of site.yml parses the same argvs with the
 same venv. A key covers the interpreter, a fingerprint of its venv (any pip change misses) and the argvs; only
 accepted argvs are ever recorded, so a rejection always runs the parser. Used by
-plugins/modules/vllm_instance.py (on each host) and plugins/modules/pd_vllm_argv_check.py (validate.yml, on the
-control node).
+plugins/modules/vllm_instance.py (on each host, through plugins/module_utils/pd_instance_check.py) and
+plugins/modules/pd_vllm_argv_check.py (validate.yml, on the control node).
 """
 
 from __future__ import annotations

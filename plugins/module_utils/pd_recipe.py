@@ -1,20 +1,17 @@
 # Copyright: b300-pd contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Render one vLLM instance (flags, argv, environment, systemd unit) from the recipe vars.
+"""One vLLM instance's flags, argv, environment and `vllm serve` command from the recipe vars, and the checks of
+that input.
 
-Pure functions, no I/O: used by plugins/modules/vllm_instance.py, plugins/modules/pd_topology.py and the tests.
-The contract (inventory schema, flag rendering rules) is docs/architecture.md.
+Pure functions, no I/O. The systemd unit around them is plugins/module_utils/pd_unit.py, the instance record
+plugins/module_utils/pd_record.py. The contract (inventory schema, flag rendering rules) is docs/architecture.md.
 Bad input raises RecipeError with a message naming the instance, the field and the fix.
 """
 
 from __future__ import annotations
 
-import configparser
-import glob
-import hashlib
 import json
 import math
-import os
 import posixpath
 import re
 
@@ -90,7 +87,8 @@ class RecipeError(ValueError):
     """Bad recipe or instance input; the message names instance, field and fix."""
 
 
-def _where(instance):
+def instance_label(instance):
+    """How messages name an instance: "instance prefill-a"."""
     name = instance.get("name") if isinstance(instance, dict) else None
     return f"instance {name}" if name else "instance <unnamed>"
 
@@ -275,7 +273,7 @@ def kv_transfer_config(recipe, pool):
 
 def build_flags(recipe, instance):
     """The effective flag dict of one instance, in rendering order (long names, no dashes)."""
-    where = _where(instance)
+    where = instance_label(instance)
     pool = instance.get("pool")
     if pool not in POOLS:
         raise RecipeError(f"{where}, field pool: {pool!r} is not a pool; use one of {', '.join(POOLS)}")
@@ -437,7 +435,7 @@ def api_server_count(flags, env=None):
 
 def build_env(recipe, instance, host_address, state_root=DEFAULT_STATE_ROOT):
     """The instance's environment, in env-file order. Later entries win (extra_env last)."""
-    where = _where(instance)
+    where = instance_label(instance)
     problems = []
     problems += check_env_dict(recipe.get("pd_vllm_env"), "pd_vllm_env", where)
     problems += check_env_dict(recipe.get("pd_ucx_env"), "pd_ucx_env", where)
@@ -482,395 +480,3 @@ def render_env_file(env, instance):
     lines = [f"# Managed by Ansible (b300-pd vllm_serve) for vllm-{instance['name']}.service. Do not edit."]
     lines += [f"{k}={_env_value_quote(str(v))}" for k, v in env.items()]
     return "\n".join(lines) + "\n"
-
-
-_NEEDS_QUOTES = re.compile(r"""[\s'"\\;%$]""")
-
-
-def systemd_quote(word):
-    """Quote one ExecStart word for systemd (systemd.service(5) "Command lines", systemd.syntax(7))."""
-    word = str(word)
-    escaped = word.replace("%", "%%").replace("$", "$$")
-    if word and not _NEEDS_QUOTES.search(word):
-        return escaped
-    escaped = escaped.replace("\\", "\\\\").replace("'", "\\'")
-    escaped = escaped.replace("\n", "\\n").replace("\t", "\\t")
-    return f"'{escaped}'"
-
-
-def systemd_split(command_line):
-    """Inverse of the ExecStart rendering: continuation lines, quotes, C escapes, %% and $$.
-
-    Enough of systemd's extract_first_word() to read back what render_unit() writes (tests use it).
-    """
-    text = command_line.replace("\\\n", " ")
-    words, cur, i, quote, have = [], [], 0, None, False
-    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', " ": " "}
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\" and i + 1 < len(text):
-            cur.append(escapes.get(text[i + 1], text[i + 1]))
-            have = True
-            i += 2
-            continue
-        if ch in "%$" and i + 1 < len(text) and text[i + 1] == ch:
-            cur.append(ch)
-            have = True
-            i += 2
-            continue
-        if quote:
-            if ch == quote:
-                quote = None
-            else:
-                cur.append(ch)
-        elif ch in "'\"":
-            quote, have = ch, True
-        elif ch.isspace():
-            if have:
-                words.append("".join(cur))
-                cur, have = [], False
-        else:
-            cur.append(ch)
-            have = True
-        i += 1
-    if quote:
-        raise ValueError("unterminated quote in command line")
-    if have:
-        words.append("".join(cur))
-    return words
-
-
-def shutdown_timeout(flags):
-    value = flags.get("shutdown-timeout")
-    if value in (None, False):
-        return 0
-    try:
-        return int(float(value))
-    except (TypeError, ValueError):
-        raise RecipeError(f"field shutdown-timeout: must be a number of seconds, got {value!r}") from None
-
-
-# The vLLM unit's sandbox (docs/security.md). Scored by `systemd-analyze security` at <= 2.5 (tests/unit/
-# test_unit_sandbox.py). Left out on purpose: MemoryDenyWriteExecute (torch.compile, Triton and CUDA JIT write code),
-# PrivateDevices (hides the GPUs and HCAs), PrivateUsers (device nodes and /dev/shm peers are owned by real ids),
-# ProcSubset=pid (NVML and vLLM read /proc/driver/nvidia, /proc/cpuinfo, /proc/meminfo), PrivateIPC (UCX's sysv/cma
-# transports reach the other instances of the host, which run in other units).
-UNIT_SANDBOX = (
-    "NoNewPrivileges=yes",
-    "CapabilityBoundingSet=",
-    "AmbientCapabilities=",
-    "ProtectSystem=strict",
-    "ProtectHome=yes",
-    "PrivateTmp=yes",
-    "PrivateMounts=yes",
-    "ProtectKernelTunables=yes",
-    "ProtectKernelModules=yes",
-    "ProtectKernelLogs=yes",
-    "ProtectControlGroups=yes",
-    "ProtectClock=yes",
-    "ProtectHostname=yes",
-    "LockPersonality=yes",
-    "RestrictRealtime=yes",
-    "RestrictSUIDSGID=yes",
-    "RestrictNamespaces=yes",
-    # NETLINK: libibverbs and NVML ask the kernel for RDMA links and interfaces over netlink.
-    "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",
-    "SystemCallArchitectures=native",
-    # A deny list, not @system-service: an allow list also refuses every system call newer than the host's systemd
-    # knows, and CUDA/NCCL/UCX pick up new ones. Denied: what needs a capability the unit no longer has, plus
-    # ptrace/perf (@debug: one instance must not read another's memory), minus pidfd_getfd, with which FlashInfer's
-    # NVLink all-to-all imports the CUDA memory handles of its peer ranks.
-    "SystemCallFilter=~@clock @cpu-emulation @debug @module @mount @obsolete @raw-io @reboot @swap",
-    "SystemCallFilter=pidfd_getfd",
-    # EPERM instead of SIGSYS: a library probing a denied call gets an error it can handle, not a dead engine.
-    "SystemCallErrorNumber=EPERM",
-    "UMask=0027",
-    "DevicePolicy=closed",
-)
-# Device groups as /proc/devices names them (DeviceAllow=char-<name> allows that major, all minors). GPUs: major 195
-# is "nvidia" + "nvidiactl" with the open kernel modules (Blackwell) and "nvidia-frontend" with the older proprietary
-# ones: /dev/nvidia[0-9]*, /dev/nvidiactl, /dev/nvidia-modeset. "nvidia-uvm": /dev/nvidia-uvm and -uvm-tools.
-# "nvidia-caps": /dev/nvidia-caps/* (MIG). "nvidia-caps-imex-channels": NVLink fabric memory handles.
-# RDMA: "infiniband_verbs" (/dev/infiniband/uverbs*, UCX rc); rdma_cm is a misc device (major 10), so by path. A group
-# the host does not have (the CPU build's hosts) is skipped by systemd; DevicePolicy=closed keeps /dev/null, zero,
-# full, random, urandom, tty, ptmx. Not allowed: nvidia-nvswitch / nvidia-nvlink (fabric manager's), gdrdrv, knem,
-# xpmem (not in the recipe's UCX_TLS).
-UNIT_DEVICE_ALLOW = (
-    "char-nvidia rw",
-    "char-nvidiactl rw",
-    "char-nvidia-frontend rw",
-    "char-nvidia-uvm rw",
-    "char-nvidia-caps rw",
-    "char-nvidia-caps-imex-channels rw",
-    "char-infiniband_verbs rw",
-    "/dev/infiniband/rdma_cm rw",
-)
-# Environment variables naming directories vLLM, torch, Triton, FlashInfer, CUDA or Hugging Face write to. build_env
-# puts them under the instance's state dir; one that the recipe points elsewhere is made writable in the unit
-# (ProtectSystem=strict), so the env stays the one place that says where caches live.
-UNIT_WRITABLE_ENV = (
-    "HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "TRITON_CACHE_DIR",
-    "TORCHINDUCTOR_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "CUDA_CACHE_PATH", "TMPDIR",
-)
-
-
-def unit_writable_paths(recipe, instance, state_root=DEFAULT_STATE_ROOT):
-    """ReadWritePaths of the unit: the state root, /dev/shm, and cache dirs the env moves out of the state root."""
-    root = state_root.rstrip("/") or "/"
-    paths = [root, "/dev/shm"]
-    model_dir = posixpath.dirname(str(recipe.get("pd_model_path") or "").rstrip("/"))
-    for field, env in (("pd_vllm_env", recipe.get("pd_vllm_env")), ("pd_ucx_env", recipe.get("pd_ucx_env")),
-                       ("extra_env", instance.get("extra_env"))):
-        for key in UNIT_WRITABLE_ENV:
-            value = (env or {}).get(key)
-            if not isinstance(value, str) or not value.startswith("/"):
-                continue  # relative: under WorkingDirectory, the state dir
-            path = posixpath.normpath(value)
-            if path == root or path.startswith(root + "/") or path in paths:
-                continue
-            if path == "/" or (model_dir and (model_dir.startswith(path.rstrip("/") + "/") or model_dir == path
-                                              or path.startswith(model_dir + "/"))):
-                raise RecipeError(
-                    f"{_where(instance)}, field {field}.{key}: {value!r} would make the model directory "
-                    f"{model_dir} writable for vLLM; point it outside {model_dir}, e.g. under {root}")
-            # "-": a missing dir does not stop the unit from starting; vLLM then names the path it cannot create.
-            paths.append(f"-{path}")
-    return paths
-
-
-def render_unit(
-    recipe,
-    instance,
-    python,
-    user,
-    *,
-    group=None,
-    env_dir=DEFAULT_ENV_DIR,
-    state_root=DEFAULT_STATE_ROOT,
-    restart_sec=30,
-    stop_grace_s=30,
-    vllm_package=CONSOLE_SCRIPT_DISTRIBUTION,
-    model_path=None,
-):
-    """The systemd unit text of one instance (model_path: see build_argv)."""
-    group = group or user
-    command = serve_command(python, vllm_package)
-    argv = build_argv(recipe, instance, model_path)
-    flags = build_flags(recipe, instance)
-    stop_timeout = shutdown_timeout(flags) + int(stop_grace_s)
-    home = state_dir(instance, state_root)
-    state_rel = home[len("/var/lib/"):] if home.startswith("/var/lib/") else None
-    name = instance["name"]
-    gpus = instance.get("gpus") or []
-    desc = (
-        f"vLLM {instance['pool']} instance {name} ({recipe.get('pd_served_model_name')}, "
-        f"TP{instance['tp_size']} DP{instance['dp_size']}, {len(gpus)} GPU{'s' if len(gpus) != 1 else ''})"
-    )
-    # The command and the model on the first line, then a flag and its value per continuation line.
-    cmd_lines = [" ".join(systemd_quote(w) for w in [*command, argv[0]])]
-    i = 1
-    while i < len(argv):
-        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            cmd_lines.append(f"{systemd_quote(argv[i])} {systemd_quote(argv[i + 1])}")
-            i += 2
-        else:
-            cmd_lines.append(systemd_quote(argv[i]))
-            i += 1
-    exec_start = " \\\n    ".join(cmd_lines)
-    lines = [
-        f"# Managed by Ansible (b300-pd vllm_serve): {unit_name(instance)}. Do not edit; change the inventory.",
-        "[Unit]",
-        f"Description={desc}",
-        "Documentation=https://docs.vllm.ai/",
-        "After=network-online.target nvidia-fabricmanager.service nvidia-persistenced.service",
-        "Wants=network-online.target",
-        "StartLimitIntervalSec=0",
-        "",
-        "[Service]",
-        "Type=simple",
-        f"User={user}",
-        f"Group={group}",
-        f"EnvironmentFile={env_file_path(instance, env_dir)}",
-        f"WorkingDirectory={home}",
-    ]
-    if state_rel:
-        lines += [f"StateDirectory={state_rel}", "StateDirectoryMode=0750"]
-    lines += [
-        f"ExecStart={exec_start}",
-        "Restart=on-failure",
-        f"RestartSec={int(restart_sec)}",
-        "TimeoutStartSec=infinity",
-        f"TimeoutStopSec={stop_timeout}",
-        "KillSignal=SIGTERM",
-        "KillMode=mixed",
-        "LimitMEMLOCK=infinity",
-        "LimitNOFILE=1048576",
-        *UNIT_SANDBOX,
-        *(f"DeviceAllow={d}" for d in UNIT_DEVICE_ALLOW),
-        f"ReadWritePaths={' '.join(unit_writable_paths(recipe, instance, state_root))}",
-        f"SyslogIdentifier=vllm-{name}",
-        "",
-        "[Install]",
-        "WantedBy=multi-user.target",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def exec_start_argv(unit_text):
-    """The ExecStart command of a rendered unit, split back into words."""
-    m = re.search(r"^ExecStart=((?:.*\\\n)*.*)$", unit_text, re.M)
-    if not m:
-        raise ValueError("no ExecStart= in unit")
-    return systemd_split(m.group(1))
-
-
-# ---------------------------------------------------------------- NIXL compatibility key and instance record
-
-# Flags whose value enters vLLM's NIXL compatibility hash (vllm/distributed/kv_transfer/kv_connector/v1/nixl/
-# metadata.py): two instances that differ in one of them, or in the vLLM / NIXL version, refuse each other's
-# handshake, so the router must never pair them (pd_rollout routing during a change).
-COMPAT_FLAGS = (
-    "model",
-    "dtype",
-    "kv-cache-dtype",
-    "speculative-config",
-    "attention-backend",
-    "disable-hybrid-kv-cache-manager",
-    "kv-transfer-config",
-)
-# JSON fields of compat flags that differ between a prefill and a decode instance by design and are not in vLLM's
-# hash: the kv role and per-instance addresses, and the number of speculative tokens (the recipe runs MTP 1 on
-# prefill, MTP 3 on decode; the hash takes the method and draft model only). Without dropping them no prefill
-# instance would ever have the key of a decode instance.
-_NOT_HASHED = {
-    "kv-transfer-config": ("kv_role", "engine_id", "kv_rank", "kv_ip", "kv_port", "kv_parallel_size"),
-    "speculative-config": ("num_speculative_tokens",),
-}
-RECORD_SCHEMA = 1
-RECORD_SUFFIX = ".record.json"
-ROLLBACK_DIR = "rollback"
-
-
-def _hashed_part(flag, value):
-    try:
-        cfg = json.loads(value)
-    except (TypeError, ValueError):
-        return value
-    if not isinstance(cfg, dict):
-        return value
-    return {k: v for k, v in cfg.items() if k not in _NOT_HASHED[flag]}
-
-
-def _compat_values(argv):
-    vals = {}
-    for flag in COMPAT_FLAGS:
-        opt = "--" + flag
-        for i, word in enumerate(argv):
-            if word == opt:
-                nxt = argv[i + 1] if i + 1 < len(argv) else ""
-                vals[flag] = True if nxt.startswith("--") or nxt == "" else nxt
-            elif word.startswith(opt + "="):
-                vals[flag] = word.split("=", 1)[1]
-    # `vllm serve <model>`: the positional model is the model (it wins over --model in ServeSubcommand.cmd()).
-    if argv and not argv[0].startswith("-"):
-        vals["model"] = argv[0]
-    for flag in _NOT_HASHED:
-        if flag in vals:
-            vals[flag] = _hashed_part(flag, vals[flag])
-    return vals
-
-
-def compat_key(argv, vllm_version, nixl_version):
-    """'vllm=<v>;nixl=<v>;flags=<sha256[:12]>' of the argv after `serve` (model first)."""
-    blob = json.dumps(_compat_values(list(argv or [])), sort_keys=True)
-    digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
-    return f"vllm={vllm_version or 'unknown'};nixl={nixl_version or 'none'};flags={digest}"
-
-
-def model_revision(model_path):
-    """The revision a model path pins: its basename when it lies in a `revisions/` directory (model_weights)."""
-    parent = posixpath.basename(posixpath.dirname(model_path.rstrip("/")))
-    return posixpath.basename(model_path.rstrip("/")) if parent == "revisions" else None
-
-
-PLUGIN_GROUP = "vllm.general_plugins"
-
-
-def plugin_digests(venv):
-    """{entry point: sha256 (16 hex) of its module's source} of every vLLM plugin in the venv (entry point group
-    vllm.general_plugins: vLLM imports each one in every process it starts, the bundle's own pd_* plugins among
-    them). In the record, a change of plugin code restarts the instance through the change path as a change of
-    its flags does; without it the engines ran the old code until their next restart. A package plugin is hashed
-    by its __init__.py. {} where the venv is not on this host (a review render on the control node)."""
-    out = {}
-    for site in sorted(glob.glob(os.path.join(venv, "lib", "python*", "site-packages"))):
-        for ep_file in sorted(glob.glob(os.path.join(site, "*.dist-info", "entry_points.txt"))):
-            parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
-            parser.optionxform = str  # entry point names keep their case
-            try:
-                parser.read(ep_file, encoding="utf-8")
-            except (OSError, UnicodeDecodeError, configparser.Error):
-                continue  # not ours to judge: vLLM skips what it cannot load, so does the record
-            if not parser.has_section(PLUGIN_GROUP):
-                continue
-            for name, target in parser.items(PLUGIN_GROUP):
-                rel = target.split(":", 1)[0].strip().replace(".", "/")
-                source = next((os.path.join(site, c) for c in (rel + ".py", rel + "/__init__.py")
-                               if os.path.isfile(os.path.join(site, c))), None)
-                if source is None:
-                    out[name] = "missing"
-                    continue
-                with open(source, "rb") as fh:
-                    out[name] = hashlib.sha256(fh.read()).hexdigest()[:16]
-    return out
-
-
-def build_record(instance, *, python, command, argv, servers, vllm_version, nixl_version, plugins=None):
-    """What the unit on disk runs, machine-readable: the change path reads this, never the unit text."""
-    return {
-        "schema": RECORD_SCHEMA,
-        "instance": instance["name"],
-        "pool": instance.get("pool"),
-        "unit": unit_name(instance),
-        "python": python,
-        "venv": posixpath.dirname(posixpath.dirname(python)),
-        "command": list(command),
-        "argv": list(argv),
-        "model_path": argv[0],
-        "model_revision": model_revision(argv[0]),
-        "vllm_version": vllm_version,
-        "nixl_version": nixl_version,
-        "compat_key": compat_key(argv, vllm_version, nixl_version),
-        "api_server_count": servers,
-        "plugins": dict(plugins or {}),
-    }
-
-
-def render_record(record):
-    return json.dumps(record, indent=1, sort_keys=True) + "\n"
-
-
-def record_path(instance, env_dir=DEFAULT_ENV_DIR):
-    return posixpath.join(env_dir, instance["name"] + RECORD_SUFFIX)
-
-
-def pending_marker(env_dir, name):
-    """The marker vllm_instance leaves until the caller has restarted the instance into its new files."""
-    return posixpath.join(env_dir, f".{name}.restart-pending")
-
-
-def running_record_path(env_dir, name, pending):
-    """The record of what instance `name` runs now: the one vllm_instance saved under rollback/ while a restart is
-    pending (the files changed, the process not restarted into them yet), else the record beside the unit."""
-    if pending:
-        return posixpath.join(env_dir, ROLLBACK_DIR, name + RECORD_SUFFIX)
-    return posixpath.join(env_dir, name + RECORD_SUFFIX)
-
-
-def parse_record(text):
-    """A record's dict, or None for no text / not a JSON object (a damaged record is as good as none)."""
-    try:
-        record = json.loads(text) if text else None
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None

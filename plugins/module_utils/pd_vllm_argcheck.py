@@ -1,28 +1,32 @@
 # Copyright: b300-pd contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Parse every vLLM instance's argv with the pinned vLLM's own `serve` parser, in ONE process.
+"""Parse vLLM instances' argvs with the installed vLLM's own `serve` parser, in ONE process: the one harness.
 
 Two sides in one file:
-- plugins/modules/pd_vllm_argv_check.py (Ansible's Python) imports the constants and parse_report(), and runs this
-  file's source with the control node's vLLM venv python (`python -c <source>`, request as JSON on stdin). The file
-  travels inside the module's AnsiballZ payload like any module_utils, so no path into the repository is needed.
-- In the vLLM venv (Python 3.11, no Ansible) main() imports vLLM ONCE (importing it takes ~5-10 s; a process per
-  instance made validation minutes long on a large cluster), then for each instance: refuses option words that are
-  not exactly one of `vllm serve`'s options (argparse would silently expand an abbreviation such as `--gpu-memory`),
-  parses `serve <argv>` as vLLM's CLI main() does and runs ServeSubcommand.validate(), then checks the parsed values
-  the recipe depends on.
+- Ansible's side: run_check() runs this file's source with a vLLM venv's python (`python -c <source>`, request as
+  JSON on stdin) and reads its report back. The file travels inside the module's AnsiballZ payload like any
+  module_utils, so no path into the repository is needed. Callers: plugins/modules/pd_vllm_argv_check.py
+  (validate.yml: every instance of the cluster, on the control node) and plugins/modules/vllm_instance.py through
+  plugins/module_utils/pd_instance_check.py (deploy: one instance, on its host, before its unit is written), so
+  validate and deploy refuse the same argvs.
+- In the vLLM venv (Python 3.11, no Ansible) main() first checks, without importing vLLM, that the unit's entry point
+  can start there when asked to (deploy, in the unit's own venv); then imports vLLM ONCE (importing it takes ~5-10 s;
+  a process per instance made validation minutes long on a large cluster), then for each instance: refuses option
+  words that are not exactly one of `vllm serve`'s options (argparse would silently expand an abbreviation such as
+  `--gpu-memory`), parses `serve <argv>` as vLLM's CLI main() does and runs ServeSubcommand.validate(), then checks
+  the parsed values the recipe depends on.
 
 Only the standard library is imported at module level: this file must import under Ansible without vLLM.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import sys
 
 RESULT_MARKER = "PD_VLLM_ARGV_CHECK "
-SUBCOMMAND = "serve"
 # Counts the recipe sets (seed: --max-num-batched-tokens 1024): vLLM's parser reads "1k" as 1000 and "1K" as 1024,
 # so only a plain decimal integer in the argv says what the inventory author meant.
 COUNT_OPTIONS = ("--max-num-batched-tokens", "--max-model-len", "--max-num-seqs")
@@ -33,7 +37,10 @@ _DECIMAL_RE = re.compile(r"\A[1-9][0-9]*\Z")
 
 
 def where(item):
-    return f"host {item.get('host')}, instance {item.get('instance')}"
+    """How a problem names its instance: with its host at validate (the whole cluster), without at deploy (Ansible
+    names the host of the task)."""
+    host = f"host {item['host']}, " if item.get("host") else ""
+    return f"{host}instance {item.get('instance')}"
 
 
 def parse_report(stdout):
@@ -50,6 +57,34 @@ def parse_report(stdout):
 def base_version(version):
     """ "0.32.0+cpu" -> "0.32.0": the CPU build's parser is the CUDA build's of the same release."""
     return str(version or "").split("+", 1)[0]
+
+
+def harness_source():
+    """This file's source: what runs in the vLLM venv (a cached verdict is only as good as the code that gave it)."""
+    return inspect.getsource(sys.modules[__name__])
+
+
+def run_check(module, python, instances, *, subcommand, timeout, expected_version=None, entry=None):
+    """Run main() with `python` (a vLLM venv's interpreter) ONCE for all `instances` ({host, instance, pool, argv};
+    argv: what follows `vllm <subcommand>`, the model first).
+
+    expected_version: refuse another vLLM release before importing it. entry: what the unit's entry point needs
+    ({"console_script": distribution} or {"module": name}), checked first. Returns (report, rc, output tail);
+    report is None when the process gave none (it crashed, or ran past `timeout` seconds: rc 124).
+    """
+    cmd = [python, "-c", harness_source()]
+    timeout_bin = module.get_bin_path("timeout")
+    if timeout_bin and timeout:
+        cmd = [timeout_bin, str(timeout), *cmd]
+    request = {"instances": instances, "subcommand": subcommand, "expected_version": expected_version,
+               "entry": entry or {}}
+    rc, out, err = module.run_command(
+        cmd,
+        data=json.dumps(request),
+        binary_data=True,
+        environ_update={"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"},
+    )
+    return parse_report(out), rc, (err or out or "").strip()[-2000:]
 
 
 # ---- everything below runs in the vLLM venv ----
@@ -70,6 +105,43 @@ def _installed_version():
         except md.PackageNotFoundError:
             continue
     return None
+
+
+def _entry_point_problem(entry):
+    """Why the unit's entry point cannot start in this venv, or None; needs no vLLM import, so it runs first."""
+    import importlib.metadata as md
+    import importlib.util
+
+    if entry.get("console_script"):
+        try:  # vllm.entrypoints.cli.main:main builds its parser with this
+            md.version(entry["console_script"])
+        except md.PackageNotFoundError:
+            owners = md.packages_distributions().get("vllm") or []
+            return (f"its console script needs the distribution {entry['console_script']!r}, which this venv does "
+                    f"not have (vllm is installed by {', '.join(owners) or 'nothing'})")
+    elif entry.get("module") and importlib.util.find_spec(entry["module"]) is None:
+        return f"the module {entry['module']} is not installed in this venv"
+    return None
+
+
+def _imported_version():
+    """vllm.__version__, what `vllm --version` prints and what the instance record names (its NIXL compatibility key
+    changes with it, so it stays the value deploy always recorded); None if vLLM does not say."""
+    try:
+        from vllm import __version__
+    except ImportError:
+        return None
+    return __version__
+
+
+def _nixl_version():
+    """NIXL's release (it enters the compatibility key of the instance record), None without NIXL."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("nixl")
+    except md.PackageNotFoundError:
+        return None
 
 
 def _option_words(argv):
@@ -95,7 +167,8 @@ def _value_after(argv, option):
 class _Parser:
     """vLLM's CLI parser with only the `serve` subcommand, built as vllm.entrypoints.cli.main builds it."""
 
-    def __init__(self):
+    def __init__(self, subcommand):
+        self.subcommand = subcommand
         try:
             from vllm.utils.argparse_utils import FlexibleArgumentParser
         except ImportError:  # before vLLM moved it
@@ -122,7 +195,7 @@ class _Parser:
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                args = parser.parse_args([SUBCOMMAND, *argv])
+                args = parser.parse_args([self.subcommand, *argv])
                 cmd.validate(args)
         except SystemExit:
             lines = [line for line in err.getvalue().splitlines() if line.strip()]
@@ -273,9 +346,14 @@ def check_one(parser, item, speculative):
 def main():
     try:
         request = json.loads(sys.stdin.read())
-        items, expected = request["instances"], request.get("expected_version")
+        items, subcommand = request["instances"], request["subcommand"]
+        expected, entry = request.get("expected_version"), request.get("entry") or {}
     except (ValueError, KeyError, TypeError) as exc:
         _emit({"ok": False, "stage": "request", "error": f"bad request on stdin: {exc}"})
+        return
+    problem = _entry_point_problem(entry)
+    if problem:
+        _emit({"ok": False, "stage": "entrypoint", "error": problem})
         return
     version = _installed_version()
     if version is None:
@@ -285,14 +363,14 @@ def main():
         _emit({"ok": False, "stage": "version", "version": version, "error": f"vLLM {version} installed"})
         return
     try:
-        parser = _Parser()
+        parser = _Parser(subcommand)
         speculative = _speculative_fields()
     except Exception as exc:  # a broken venv: the module says which python and what to rebuild
         _emit({"ok": False, "stage": "import", "version": version, "error": f"{type(exc).__name__}: {exc}"})
         return
     results = [{"host": i.get("host"), "instance": i.get("instance"), "problems": check_one(parser, i, speculative)}
                for i in items]
-    _emit({"ok": True, "version": version, "results": results})
+    _emit({"ok": True, "version": _imported_version() or version, "nixl": _nixl_version(), "results": results})
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ instances:
 import os  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
-from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import parse_record, pending_marker, running_record_path  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_record import parse_record, pending_marker, running_record_path  # noqa: E402
 
 
 def _read(path):

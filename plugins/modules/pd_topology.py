@@ -24,6 +24,10 @@ description:
     positive integers and C(gpu-memory-utilization) is in (0, 1]."
   - "Checks the ports of the bundle's other listeners (O(services): router API and metrics, Prometheus, node
     exporter) against each other and against the instances on the same host."
+  - "As a task, every option it leaves out is gathered from the inventory on the control node by the action plugin
+    (plugins/action/pd_topology.py, from the play's C(groups) and C(hostvars) and the owning roles' defaults; the
+    lists it reads are plugins/module_utils/pd_cluster_inputs.py's), so a playbook passes none of them and copies no
+    list of vars."
 version_added: "1.0.0"
 author: b300-pd contributors
 options:
@@ -31,25 +35,30 @@ options:
     description:
       - Host name -> C({pd_instances, pd_gpus_per_host, ansible_host}); optional C(recipe) key with that
         host's own values of the recipe vars (when group or host vars differ per host).
+      - Left out, every host of group C(vllm_hosts) with its values (and its own recipe vars).
     type: dict
-    required: true
   recipe:
-    description: The recipe vars (C(pd_vllm_flags_common), C(pd_vllm_flags_pool), C(pd_kv_transfer_config),
-      C(pd_kv_roles), C(pd_vllm_env), C(pd_ucx_env), C(pd_model_path), C(pd_served_model_name)).
+    description:
+      - The recipe vars (C(pd_vllm_flags_common), C(pd_vllm_flags_pool), C(pd_kv_transfer_config),
+        C(pd_kv_roles), C(pd_vllm_env), C(pd_ucx_env), C(pd_model_path), C(pd_served_model_name)).
+      - Left out, the first vLLM host's.
     type: dict
-    required: true
   sla:
-    description: C(pd_sla) (ttft_mean_s, tpot_mean_ms, context_min_tokens, context_max_tokens).
+    description:
+      - C(pd_sla) (ttft_mean_s, tpot_mean_ms, context_min_tokens, context_max_tokens).
+      - Left out, the first vLLM host's.
     type: dict
-    required: true
   services:
     description:
       - The bundle's other listeners, one item per host and port, checked for clashes with each other and with
         the instances of the same host. C(field) names the inventory var that sets the port, C(service) says
         what listens.
+      - Left out, the front door's client and metrics ports and the router units' ports of every router host, the
+        Prometheus port of every monitoring host and the node exporter port of each of those and every vLLM host,
+        each the host's value
+        or its role's default.
     type: list
     elements: dict
-    default: []
   inventory:
     description:
       - What the cluster view (RV(cluster)) is composed from, C({groups, hostvars, defaults}). C(groups) holds
@@ -57,9 +66,10 @@ options:
         own values of the vars the view reads (C(ansible_host), C(pd_instances), C(pd_router_port),
         C(pd_router_units), C(pd_router_bind_host), C(pd_frontdoor_metrics_port), C(observability_prometheus_port),
         C(observability_alertmanager_enabled), C(observability_alertmanager_port),
-        C(observability_dcgm_exporter_port), C(node_exporter_port), C(pd_firewall_host_addresses)); C(defaults)
+        C(observability_alertmanager_listen_address), C(observability_dcgm_exporter_port), C(node_exporter_port),
+        C(pd_firewall_host_addresses), the VIEW_VARS of plugins/module_utils/pd_cluster_view.py); C(defaults)
         role -> that role's defaults/main.yml, for the vars a host does not set.
-      - Omitted, no cluster view is returned.
+      - Left out, gathered from the play's inventory.
     type: dict
 extends_documentation_fragment:
   - b300.pd.attributes
@@ -67,7 +77,11 @@ extends_documentation_fragment:
 """
 
 EXAMPLES = r"""
-- name: Validate the P/D topology
+- name: Validate the P/D topology of the inventory and compose the cluster view (every input gathered)
+  b300.pd.pd_topology:
+  register: topology
+
+- name: Validate a topology given explicitly (the cluster view's inventory, left out, is still gathered)
   b300.pd.pd_topology:
     hosts:
       b300-01:
@@ -95,6 +109,14 @@ problems:
   returned: always
   type: list
   elements: str
+inputs:
+  description:
+    - The O(hosts) and O(recipe) the module checked (gathered or given), for the tasks after it that render the
+      same instances (playbooks/validate.yml's vLLM parser check). Added by the action plugin.
+  returned: always (as a task)
+  type: dict
+  sample: {hosts: {b300-01: {ansible_host: 192.0.2.11, pd_gpus_per_host: 8, pd_instances: [], recipe: {}}},
+           recipe: {pd_model_path: /mnt/models/glm}}
 summary:
   description: Hosts, instances per pool (host/name) and GPUs used.
   returned: always
@@ -103,7 +125,7 @@ summary:
 cluster:
   description:
     - The cluster view every role, verify, bench and test reads (playbooks/validate.yml publishes it to every host
-      as C(pd_cluster)); composed once, from the validated topology (plugins/module_utils/pd_topology.py cluster_view).
+      as C(pd_cluster)); composed once, from the validated topology (plugins/module_utils/pd_cluster_view.py).
     - C(instances) (inventory order) each with name, host, address, pool, http_port, url, nixl_side_channel_port,
       nixl_side_channel_ports (one per DP rank), dp_rpc_port; C(pools) pool -> instance names.
     - C(routers) (router_hosts order) each with host, address, client_port, url (its front door), bind_host,
@@ -114,7 +136,7 @@ cluster:
     - C(prometheus_targets) job (vllm, pd-router, pd-frontdoor, node, dcgm) -> [{target, labels}].
     - C(firewall) C(peers) (every host's ansible_host and pd_firewall_host_addresses) and C(hosts) host ->
       {instance_ports, router_ports, client_ports}.
-  returned: when O(inventory) is given and the topology is valid
+  returned: when the topology is valid and O(inventory) is given or gathered (always as a task)
   type: dict
   sample:
     router_url: http://10.237.0.13:8000
@@ -127,22 +149,23 @@ cluster:
 """
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402 (community.general layout)
-from ansible_collections.b300.pd.plugins.module_utils.pd_topology import (  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import (  # noqa: E402
     TopologyError,
     cluster_view,
-    summarize,
-    validate_topology,
     view_inputs,
 )
+from ansible_collections.b300.pd.plugins.module_utils.pd_topology import summarize, validate_topology  # noqa: E402
 
 
 def main():
     module = AnsibleModule(
         argument_spec=dict(
-            hosts=dict(type="dict", required=True),
-            recipe=dict(type="dict", required=True),
-            sla=dict(type="dict", required=True),
-            services=dict(type="list", elements="dict", default=[]),
+            # Not required here: the action plugin fills in each one a task leaves out (a missing one is named by
+            # validate_topology when the module runs without its action plugin).
+            hosts=dict(type="dict"),
+            recipe=dict(type="dict"),
+            sla=dict(type="dict"),
+            services=dict(type="list", elements="dict"),
             inventory=dict(type="dict"),
         ),
         supports_check_mode=True,
@@ -160,7 +183,7 @@ def main():
     result = dict(changed=False, problems=[], summary=summary)
     inventory = module.params["inventory"]
     if inventory is not None:
-        # The same hostvars validate_topology just accepted (playbooks/validate.yml builds both from hostvars).
+        # The same hostvars validate_topology just accepted (the action plugin gathers both from hostvars).
         view_hosts, routers, monitoring, peers = view_inputs(inventory.get("groups"), inventory.get("hostvars"),
                                                              inventory.get("defaults"))
         try:

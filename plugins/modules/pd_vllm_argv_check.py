@@ -60,11 +60,11 @@ extends_documentation_fragment:
 """
 
 EXAMPLES = r"""
-- name: Parse every instance's argv with the pinned vLLM's serve parser
+- name: Parse every instance's argv with the pinned vLLM's serve parser (inputs as b300.pd.pd_topology gathered them)
   b300.pd.pd_vllm_argv_check:
-    hosts: "{{ _pd_topology_hosts }}"
-    recipe: "{{ _pd_topology_hosts[_pd_first].recipe }}"
-    python: "{{ playbook_dir }}/../.cache/vllm-venv/bin/python"
+    hosts: "{{ _pd_topology_summary.inputs.hosts }}"
+    recipe: "{{ _pd_topology_summary.inputs.recipe }}"
+    python: "{{ pd_control_dir }}/.cache/vllm-venv/bin/python"
     vllm_version: "{{ hostvars[_pd_first].pd_vllm_version }}"
   delegate_to: localhost
   run_once: true
@@ -92,15 +92,18 @@ cached:
   type: bool
 """
 
-import inspect  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
-import json  # noqa: E402
-import os  # noqa: E402
+import os  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 import time  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 from ansible_collections.b300.pd.plugins.module_utils import pd_vllm_argcheck  # noqa: E402
 from ansible_collections.b300.pd.plugins.module_utils.pd_parse_cache import cache_key, read_cache, write_cache  # noqa: E402
-from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import RECIPE_KEYS, RecipeError, build_argv  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import (  # noqa: E402
+    RECIPE_KEYS,
+    SERVE_SUBCOMMAND,
+    RecipeError,
+    build_argv,
+)
 
 VENV_FIX = (
     "build it with scripts/bootstrap --local (.cache/vllm-venv), or set pd_control_vllm_python to the python of a "
@@ -138,20 +141,11 @@ def collect_argvs(hosts, recipe):
 
 
 def run_parser(module, python, items, version, timeout):
-    """The helper's report, from one run of `python -c <helper source>` with every argv on stdin."""
-    cmd = [python, "-c", inspect.getsource(pd_vllm_argcheck)]
-    timeout_bin = module.get_bin_path("timeout")
-    if timeout_bin and timeout:
-        cmd = [timeout_bin, str(timeout), *cmd]
-    rc, out, err = module.run_command(
-        cmd,
-        data=json.dumps({"instances": items, "expected_version": version}),
-        binary_data=True,
-        environ_update={"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"},
-    )
-    report = pd_vllm_argcheck.parse_report(out)
+    """The harness's report, from one run of it with `python` for every argv."""
+    report, rc, output = pd_vllm_argcheck.run_check(module, python, items, subcommand=SERVE_SUBCOMMAND,
+                                                    timeout=timeout, expected_version=version)
     if report is None:
-        why = f"timed out after {timeout} s (raise timeout)" if rc == 124 else (err or out or "").strip()[-2000:]
+        why = f"timed out after {timeout} s (raise timeout)" if rc == 124 else output
         module.fail_json(msg=f"could not run vLLM's serve parser with {python} (rc={rc}): {why}; nothing was changed")
     return report
 

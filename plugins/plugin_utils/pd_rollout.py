@@ -20,19 +20,19 @@ every label set of a vLLM ``/metrics`` page; None when neither metric is there.
 and none of them has a record (``source`` none): a first deploy, where every host may start at once.
 
 The compatibility keys come from the instances' records (``compat_key``, computed once by
-``plugins/module_utils/pd_recipe.py`` when ``vllm_instance`` renders the unit; read back by ``pd_instance_state``).
+``plugins/module_utils/pd_record.py`` when ``vllm_instance`` renders the unit; read back by ``pd_instance_state``).
 """
 
 from __future__ import annotations
 
-import re
-
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_filter_errors import fail
 
+# The Prometheus text parser of the verify script (standard library only, so the script can run alone on a router
+# host): one parser for the rollout's /metrics reads and verify's.
+from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify import metric_sum, parse_prometheus
+
 POOLS = ("prefill", "decode")
-
-
-
+QUEUE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def pd_rollout_topology(cluster, hosts=None):
@@ -111,32 +111,15 @@ def pd_rollout_routing_mode(registry):
     return "pd" if any(w["worker_type"] in POOLS for w in registry) else "colocated"
 
 
-_METRIC = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+(\S+)", re.M)
-
-
 def pd_rollout_queue(metrics_text):
-    found, total = False, 0.0
-    for _name, value in _METRIC.findall(metrics_text or ""):
-        found = True
-        total += float(value)
-    return int(round(total)) if found else None
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", re.M)
+    samples = parse_prometheus(metrics_text or "")
+    sums = [v for v in (metric_sum(samples, name) for name in QUEUE_METRICS) if v is not None]
+    return int(round(sum(sums))) if sums else None
 
 
 def pd_rollout_metric_sum(metrics_text, name, labels=None):
     """Sum of the samples of ``name`` whose labels include ``labels`` (dict); None when there is none."""
-    want = {k: str(v) for k, v in (labels or {}).items()}
-    found, total = False, 0.0
-    for metric, lbl, value in _SAMPLE.findall(metrics_text or ""):
-        if metric != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', lbl or ""))
-        if all(have.get(k) == v for k, v in want.items()):
-            found = True
-            total += float(value)
-    return total if found else None
+    return metric_sum(parse_prometheus(metrics_text or ""), name, **{k: str(v) for k, v in (labels or {}).items()})
 
 
 def pd_rollout_never_deployed(states):

@@ -40,15 +40,12 @@ _OWNED_FLAGS = {
 }
 
 
-
-
-
 def pd_router_workers(cluster, hosts=None):
     """Prefill and decode workers of the cluster view's instances on ``hosts`` (default: every vLLM host)."""
     if not isinstance(cluster, dict) or not isinstance(cluster.get("instances"), list):
         fail("pd_router: pd_cluster (the cluster view) is not defined; run the role through a playbook that imports "
-              "playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
-              "publishes pd_cluster to every host")
+             "playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
+             "publishes pd_cluster to every host")
     out = {pool: [] for pool in POOLS}
     for inst in cluster["instances"]:
         if hosts is None or inst["host"] in hosts:
@@ -56,7 +53,7 @@ def pd_router_workers(cluster, hosts=None):
     for pool in POOLS:
         if not out[pool]:
             fail(f"pd_router: no {pool} instance on the hosts of pd_router_worker_group ({', '.join(hosts or [])}); "
-                  f"P/D needs at least one (set pd_router_worker_group to a group with {pool} instances)")
+                 f"P/D needs at least one (set pd_router_worker_group to a group with {pool} instances)")
     return out
 
 
@@ -124,7 +121,7 @@ def pd_router_argv(workers, settings):
         flag = str(raw_flag).lstrip("-")
         if flag in _OWNED_FLAGS:
             fail(f"pd_router: pd_router_extra_args sets '--{flag}', which the role renders from its own "
-                  f"variable; remove it from pd_router_extra_args and set the pd_router_ variable instead")
+                 f"variable; remove it from pd_router_extra_args and set the pd_router_ variable instead")
         argv += _flag_args(flag, value)
     return argv
 
@@ -164,8 +161,8 @@ def pd_router_units(units, workers, settings):
     """The router units of one host, each with its argv (see the module docstring)."""
     if not isinstance(units, list) or not units:
         fail("pd_router: pd_router_units is empty or not a list; list the router units of a router host, e.g. "
-              "[{name: vllm-router, mode: pd, port: 8001, metrics_port: 29000}, "
-              "{name: vllm-router-colocated, mode: colocated, port: 8002, metrics_port: 29001}]")
+             "[{name: vllm-router, mode: pd, port: 8001, metrics_port: 29000}, "
+             "{name: vllm-router-colocated, mode: colocated, port: 8002, metrics_port: 29001}]")
     client_port = settings.get("client_port")
     out, names, ports = [], {}, {}
     for idx, unit in enumerate(units):
@@ -175,11 +172,11 @@ def pd_router_units(units, workers, settings):
         where = f"pd_router_units[{idx}] ({name or 'no name'})"
         if not isinstance(name, str) or not name.startswith("vllm-router") or not set(name) <= _UNIT_NAME_CHARS:
             fail(f"pd_router: {where}: field 'name' is {name!r}; use a systemd unit name starting with "
-                  "'vllm-router' made of a-z, 0-9 and '-' (e.g. vllm-router-2)")
+                 "'vllm-router' made of a-z, 0-9 and '-' (e.g. vllm-router-2)")
         mode = unit.get("mode")
         if mode not in UNIT_MODES:
             fail(f"pd_router: {where}: field 'mode' is {mode!r}; set 'pd' (P/D router) or 'colocated' "
-                  "(regular router over the prefill pool, the backup path)")
+                 "(regular router over the prefill pool, the backup path)")
         port = _port(unit.get("port"), f"{where}: field 'port'")
         metrics_port = _port(unit.get("metrics_port"), f"{where}: field 'metrics_port'")
         if name in names:
@@ -189,7 +186,7 @@ def pd_router_units(units, workers, settings):
                 fail(f"pd_router: {where}: {field} {p} is also used by {ports[p]}; give every unit its own ports")
             if p == client_port:
                 fail(f"pd_router: {where}: {field} {p} is the client port (pd_router_port), where the front door "
-                      "listens; give the unit another port")
+                     "listens; give the unit another port")
             ports[p] = f"{name} {field}"
         names[name] = idx
         unit_settings = {**settings, "port": port, "metrics_port": metrics_port}
@@ -205,7 +202,7 @@ def pd_router_registry(workers, model_id):
     """The IGW registry entries of the topology: every prefill and decode instance of ``workers``."""
     if not model_id or not isinstance(model_id, str):
         fail(f"pd_router: pd_router_model_id is {model_id!r}; set it to the served model name "
-              "(pd_served_model_name): IGW mode routes a request by its model")
+             "(pd_served_model_name): IGW mode routes a request by its model")
     return [{"url": w["url"], "worker_type": pool, "model_id": model_id, "name": w["name"]}
             for pool in POOLS for w in workers[pool]]
 

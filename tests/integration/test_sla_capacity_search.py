@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ansible_collections.b300.pd.bench import sla_capacity
+from ansible_collections.b300.pd.bench.capacity_fit import sla_crossing
+from ansible_collections.b300.pd.bench.capacity_prometheus import PROM_QUERIES
 from test_alert_delivery import duration_s
 from test_local_stack import (
     ENV,
@@ -76,7 +77,7 @@ def worst_case_s(contexts: int) -> float:
     """The longest the search can run with FLAGS: every point killed at --point-timeout (or finishing just before it
     and then waiting on every Prometheus query's timeout), as many points as --max-points allows, cut at
     --budget-s; plus the start and the report."""
-    point = FLAGS["--point-timeout"] + len(sla_capacity.PROM_QUERIES) * FLAGS["--prometheus-timeout"]
+    point = FLAGS["--point-timeout"] + len(PROM_QUERIES) * FLAGS["--prometheus-timeout"]
     return min(contexts * FLAGS["--max-points"] * point, FLAGS["--budget-s"]) + START_AND_REPORT_S
 
 
@@ -177,8 +178,8 @@ def test_small_capacity_search_through_the_front_door(stack_info):
         assert c["max_rate"] == max((p["rate"] for p in pts if p["passed"]), default=0.0), (ctx, c)
         assert c["fail_rate"] == min((p["rate"] for p in pts if not p["passed"]), default=None), (ctx, c)
         # the SLA crossing is the fit of this context's own points (none without a failing rate)
-        assert c["fit"] == sla_capacity.sla_crossing(pts, rep["sla"], c["max_rate"], c["fail_rate"],
-                                                     rep["params"]["fit_window"]), (ctx, c["fit"])
+        assert c["fit"] == sla_crossing(pts, rep["sla"], c["max_rate"], c["fail_rate"],
+                                        rep["params"]["fit_window"]), (ctx, c["fit"])
         # each verdict is the inventory's pd_sla applied to the point (every request done, both means within)
         for p in pts:
             meets = (p["completed"] == p["num_prompts"] and not p["failed"]

@@ -12,8 +12,9 @@ import posixpath
 import shlex
 
 import pytest
-from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_unit
 from conftest import ROOT, load_inventory
+from systemd_exec import exec_start_argv
 
 SEED = ROOT / "tests" / "fixtures" / "seed"
 SHORT = {"-ep": "--enable-expert-parallel", "-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size"}
@@ -85,8 +86,8 @@ def test_b300_has_the_seed_topology():
 @pytest.mark.parametrize(("host", "inst"), INSTANCES, ids=[f"{h}/{i['name']}" for h, i in INSTANCES])
 def test_b300_units_render_the_seed_flags(host, inst):
     hv = INV["hosts"][host]
-    unit = pd_recipe.render_unit(INV["recipe"], inst, PYTHON, "vllm", vllm_package=INV["group_vars"]["pd_vllm_package"])
-    words = pd_recipe.exec_start_argv(unit)
+    unit = pd_unit.render_unit(INV["recipe"], inst, PYTHON, "vllm", vllm_package=INV["group_vars"]["pd_vllm_package"])
+    words = exec_start_argv(unit)
     entry, model, rendered = parse_cmdline(words)
     seed_model, expected = seed(inst["pool"])
     # the seed's entry point, run from the venv the unit names, and its model as the positional argument
@@ -134,8 +135,8 @@ def test_golden_comparison_can_fail():
     recipe = json.loads(json.dumps(INV["recipe"]))
     recipe["pd_vllm_flags_pool"]["decode"]["max-num-batched-tokens"] = 2048
     decode = next(i for _, i in INSTANCES if i["pool"] == "decode")
-    _, _, rendered = parse_cmdline(pd_recipe.exec_start_argv(
-        pd_recipe.render_unit(recipe, decode, PYTHON, "vllm")))
+    _, _, rendered = parse_cmdline(exec_start_argv(
+        pd_unit.render_unit(recipe, decode, PYTHON, "vllm")))
     assert not same_value(rendered["--max-num-batched-tokens"], expected["--max-num-batched-tokens"])
 
 

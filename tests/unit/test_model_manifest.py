@@ -13,6 +13,10 @@ import threading
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
+from ansible_collections.b300.pd.plugins.module_utils.model_disk_space import free_bytes
+from ansible_collections.b300.pd.plugins.module_utils.model_errors import ManifestError
+from ansible_collections.b300.pd.plugins.module_utils.model_fetchers import PathFetcher, RsyncFetcher
+from ansible_collections.b300.pd.plugins.module_utils.model_hashing import DEFAULT_BUFSIZE
 from conftest import ROOT
 
 CLI = ROOT / "scripts" / "model-manifest"
@@ -60,7 +64,7 @@ def test_content_revision_detects_any_change(tmp_path, field, value):
     m = mm.build_manifest(tmp_path / "m")
     entry = next(f for f in m["files"] if f["path"] == "config.json")
     entry[field] = value
-    with pytest.raises(mm.ManifestError, match="revision mismatch.*hashes to"):
+    with pytest.raises(ManifestError, match="revision mismatch.*hashes to"):
         mm.validate_manifest(m)
 
 
@@ -68,7 +72,7 @@ def test_requested_revision_must_match(tmp_path):
     make_model(tmp_path / "m")
     m = mm.build_manifest(tmp_path / "m")
     msg = f"revision mismatch: src has revision {m['revision']} but abc was requested"
-    with pytest.raises(mm.ManifestError, match=msg):
+    with pytest.raises(ManifestError, match=msg):
         mm.validate_manifest(m, expected_revision="abc", origin="src")
 
 
@@ -86,7 +90,7 @@ def test_requested_revision_must_match(tmp_path):
     ],
 )
 def test_validate_rejects_bad_manifests(files, err):
-    with pytest.raises(mm.ManifestError, match=err):
+    with pytest.raises(ManifestError, match=err):
         mm.validate_manifest({"revision": "r1", "files": files})
 
 
@@ -126,7 +130,7 @@ def test_verify_hashes_in_parallel_threads(tmp_path, monkeypatch):
     barrier = threading.Barrier(4, timeout=10)
     real = mm.hash_file
 
-    def spy(path, bufsize=mm.DEFAULT_BUFSIZE, algo="sha256"):
+    def spy(path, bufsize=DEFAULT_BUFSIZE, algo="sha256"):
         seen.add(threading.get_ident())
         barrier.wait()  # only passes if 4 hashes run at the same time
         return real(path, bufsize, algo)
@@ -138,7 +142,7 @@ def test_verify_hashes_in_parallel_threads(tmp_path, monkeypatch):
 
 
 def test_free_bytes_walks_up_to_existing_parent(tmp_path):
-    path, free = mm.free_bytes(tmp_path / "not" / "yet" / "there")
+    path, free = free_bytes(tmp_path / "not" / "yet" / "there")
     assert path == str(tmp_path)
     st = os.statvfs(tmp_path)
     assert free == st.f_bavail * st.f_frsize
@@ -186,7 +190,7 @@ def test_path_fetcher_resumes_from_offset(tmp_path):
     part = tmp_path / "big.safetensors.part"
     part.write_bytes(data[:2_000_000])
     entry = {"path": "big.safetensors", "size": len(data)}
-    copied = mm.PathFetcher(str(src), bufsize=1 << 20).fetch(entry, str(part))
+    copied = PathFetcher(str(src), bufsize=1 << 20).fetch(entry, str(part))
     assert copied == len(data) - 2_000_000
     assert part.read_bytes() == data
 
@@ -196,7 +200,7 @@ def test_path_fetcher_discards_oversized_part(tmp_path):
     data = make_model(src, {"a.bin": 1000})["a.bin"]
     part = tmp_path / "a.bin.part"
     part.write_bytes(b"x" * 2000)
-    assert mm.PathFetcher(str(src)).fetch({"path": "a.bin", "size": 1000}, str(part)) == 1000
+    assert PathFetcher(str(src)).fetch({"path": "a.bin", "size": 1000}, str(part)) == 1000
     assert part.read_bytes() == data
 
 
@@ -208,7 +212,7 @@ def test_rsync_fetcher_appends_only_missing_bytes(tmp_path):
     part = tmp_path / "dst" / "big.safetensors.part"
     part.parent.mkdir()
     part.write_bytes(data[:1_000_000])
-    f = mm.RsyncFetcher(real_run_command, str(src))
+    f = RsyncFetcher(real_run_command, str(src))
     sent = f.fetch({"path": "big.safetensors", "size": len(data)}, str(part))
     assert part.read_bytes() == data
     assert sent == len(data) - 1_000_000  # rsync --stats "Literal data": the first MB was not sent again
@@ -222,7 +226,7 @@ def test_rsync_fetcher_builds_ssh_command():
         calls.append(argv)
         return 0, "Literal data: 1,234 bytes\n", ""
 
-    f = mm.RsyncFetcher(fake, "/mnt/model/glm/revisions/abc", host="10.0.0.11", user="root", port=2222,
+    f = RsyncFetcher(fake, "/mnt/model/glm/revisions/abc", host="10.0.0.11", user="root", port=2222,
                         ssh_key="/root/.ssh/model_peer", ssh_args=["-o", "ConnectTimeout=5"])
     assert f.fetch({"path": "a/b.bin", "size": 10}, "/nonexistent/b.bin.part") == 1234
     argv = calls[0]
@@ -233,9 +237,9 @@ def test_rsync_fetcher_builds_ssh_command():
 
 
 def test_rsync_failure_is_reported():
-    f = mm.RsyncFetcher(lambda argv: (255, "", "ssh: connect to host 10.0.0.11 port 22: No route to host"),
+    f = RsyncFetcher(lambda argv: (255, "", "ssh: connect to host 10.0.0.11 port 22: No route to host"),
                         "/r", host="10.0.0.11")
-    with pytest.raises(mm.ManifestError, match="rsync of a.bin from 10.0.0.11:/r failed .*No route to host"):
+    with pytest.raises(ManifestError, match="rsync of a.bin from 10.0.0.11:/r failed .*No route to host"):
         f.fetch({"path": "a.bin", "size": 1}, "/nonexistent.part")
 
 

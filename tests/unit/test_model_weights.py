@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
+from ansible_collections.b300.pd.plugins.module_utils.model_disk_space import human_bytes
 from conftest import ROOT, load_library, run_module
 
 model_weights = load_library("model_weights")
@@ -468,7 +469,7 @@ def test_disk_preflight_fails_before_any_write(tmp_path, src, monkeypatch):
     assert f"under {tmp_path / 'root'} (filesystem of {tmp_path})" in res["msg"]
     free = ((total // 2) // 4096) * 4096
     short = total + MIB - free
-    assert f"short by {model_weights._fmt_bytes(short)}" in res["msg"]
+    assert f"short by {human_bytes(short)}" in res["msg"]
     assert not (tmp_path / "root").exists()  # nothing created: not the root, not .staging, not the lock
 
 

@@ -9,6 +9,9 @@ import os
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
+from ansible_collections.b300.pd.plugins.module_utils.model_errors import UnsafePathError
+from ansible_collections.b300.pd.plugins.module_utils.model_fetchers import PathFetcher
+from ansible_collections.b300.pd.plugins.module_utils.model_nofollow import open_dir_beneath
 from test_model_weights import Server, args_for, make_model, make_tls_cert, run
 
 REV = "0123456789abcdef0123456789abcdef01234567"
@@ -119,16 +122,16 @@ def test_fetchers_refuse_a_part_that_is_a_symlink(tmp_path, src, outside):
     entry = next(f for f in m["files"] if f["path"] == "config.json")
     part = tmp_path / "config.json.part"
     part.symlink_to(outside / "victim")
-    with pytest.raises(mm.UnsafePathError, match="is a symlink"):
-        mm.PathFetcher(str(d)).fetch(entry, str(part))
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        PathFetcher(str(d)).fetch(entry, str(part))
     assert (outside / "victim").read_bytes() == b"precious\n"
 
 
 def test_open_dir_beneath_refuses_a_symlinked_component(tmp_path, outside):
     (tmp_path / "tree").mkdir()
     (tmp_path / "tree" / "sub").symlink_to(outside)
-    with pytest.raises(mm.UnsafePathError, match="is a symlink"):
-        mm.open_dir_beneath(str(tmp_path), "tree/sub/deeper", create=True)
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        open_dir_beneath(str(tmp_path), "tree/sub/deeper", create=True)
     assert sorted(os.listdir(outside)) == ["victim"]
 
 

@@ -1,4 +1,4 @@
-"""The cluster view (plugins/module_utils/pd_topology.py cluster_view, published as pd_cluster by
+"""The cluster view (plugins/module_utils/pd_cluster_view.py cluster_view, published as pd_cluster by
 playbooks/validate.yml and loaded by bench/pd_cluster.py): on both real inventories it holds exactly what main's
 roles rendered from hostvars
 (values below were taken from main's rendered prometheus.yml, router units, rulesets and verify defaults)."""
@@ -6,13 +6,18 @@ roles rendered from hostvars
 from __future__ import annotations
 
 import functools
+import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 from ansible_collections.b300.pd.bench.pd_cluster import load  # noqa: E402
-from ansible_collections.b300.pd.plugins.module_utils.pd_topology import TopologyError, cluster_view  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import TopologyError, cluster_view  # noqa: E402
 
 
 @functools.cache
@@ -135,3 +140,35 @@ def test_alertmanager_api_as_its_own_host_reaches_it(listen, url):
     assert v["alertmanager"] == {"host": "m1", "url": url}
     assert v["prometheus_url"] == "http://10.0.0.9:9090"
     assert cluster_view(_hosts(), [_router()], [dict(mon, alertmanager_port=None)], [])["alertmanager"] is None
+
+
+def _published_view(inventory: Path, tmp_path: Path) -> dict:
+    """pd_cluster as playbooks/validate.yml publishes it for `inventory` (read from the run's JSON output)."""
+    # stdout is the JSON callback's alone: ansible.cfg's profile_tasks (timings on stdout) gives way to junit, which
+    # writes only its report file.
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.posix.json",
+               ANSIBLE_CALLBACKS_ENABLED="ansible.builtin.junit", JUNIT_OUTPUT_DIR=str(tmp_path / "junit"),
+               ANSIBLE_NOCOLOR="1")
+    proc = subprocess.run(  # noqa: S603 - the repo's own ansible-playbook
+        [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inventory),
+         str(ROOT / "playbooks" / "validate.yml"), "--skip-tags", "frontdoor,known_hosts",
+         "-e", "pd_control_vllm_python=none"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    tasks = [t for play in json.loads(proc.stdout)["plays"] for t in play["tasks"]]
+    publish = next(t for t in tasks if t["task"]["name"] == "Publish the cluster view to every host as pd_cluster")
+    host_results = next(iter(publish["hosts"].values()))["results"]
+    return next(r["ansible_facts"]["pd_cluster"] for r in host_results if r["item"] == "localhost")
+
+
+def test_playbook_and_bench_compose_the_same_view_of_every_view_var(tmp_path):
+    """One list of the vars the view reads (VIEW_VARS): an inventory that sets the one validate.yml's own copy had
+    lost (observability_alertmanager_listen_address) gets the same view through the playbook as through bench."""
+    inventory = tmp_path / "local"
+    shutil.copytree(ROOT / "inventory" / "local", inventory)
+    (inventory / "host_vars" / "pd-router-0.yml").write_text(
+        yaml.safe_dump({"observability_alertmanager_listen_address": "10.237.0.13"}))
+    bench_view = load(inventory)
+    assert bench_view["alertmanager"] == {"host": "pd-router-0", "url": "http://10.237.0.13:9093"}
+    assert _published_view(inventory, tmp_path) == bench_view

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.b300.pd.bench import pd_load
+from ansible_collections.b300.pd.bench.pd_load_config import ConfigError
+from ansible_collections.b300.pd.bench.pd_load_generator import LoadGenerator, latency_stats
+from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify import percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "pd_load.py"
@@ -224,21 +227,21 @@ def _invariants(rep):
 # --------------------------------------------------------------------------------------------- tests
 def test_percentile_nearest_rank():
     vals = list(range(100, 0, -1))  # unsorted on purpose
-    assert pd_load.percentile(vals, 50) == 50
-    assert pd_load.percentile(vals, 95) == 95
-    assert pd_load.percentile(vals, 99) == 99
-    assert pd_load.percentile(vals, 100) == 100
-    assert pd_load.percentile([7.0], 99) == 7.0
-    assert pd_load.percentile([], 50) is None
-    st = pd_load.latency_stats([0.4, 0.1, 0.3, 0.2])
+    assert percentile(vals, 50) == 50
+    assert percentile(vals, 95) == 95
+    assert percentile(vals, 99) == 99
+    assert percentile(vals, 100) == 100
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    st = latency_stats([0.4, 0.1, 0.3, 0.2])
     assert st == {"count": 4, "min": 0.1, "mean": 0.25, "p50": 0.2, "p95": 0.4, "p99": 0.4, "max": 0.4}
-    assert pd_load.latency_stats([]) is None
+    assert latency_stats([]) is None
 
 
 def test_all_good_closed_loop(server_factory):
     srv = server_factory()
-    rep = pd_load.LoadGenerator(url=srv.url, model="tiny-pd", concurrency=3, max_requests=30, max_tokens=8,
-                                prompt_words=20, timeout=5).run()
+    rep = LoadGenerator(url=srv.url, model="tiny-pd", concurrency=3, max_requests=30, max_tokens=8,
+                        prompt_words=20, timeout=5).run()
     _invariants(rep)
     assert (rep["sent"], rep["completed"], rep["failed"], rep["failures"]) == (30, 30, 0, {})
     assert rep["stop_reason"] == "max_requests" and rep["unfinished"] == 0 and rep["passed"] is True
@@ -264,8 +267,8 @@ def test_misbehaving_server_counts_exactly(server_factory):
     actions = {1: ("status", 503), 2: "drop", 3: ("hold", 3.0), 4: "bad_json", 5: "empty", 6: "short",
                7: "error_obj", 0: "ok"}
     srv = server_factory(lambda k, req: actions[k % 8])
-    rep = pd_load.LoadGenerator(url=srv.url, model="m", concurrency=4, max_requests=32, max_tokens=4,
-                                timeout=1.0, error_samples=2).run()
+    rep = LoadGenerator(url=srv.url, model="m", concurrency=4, max_requests=32, max_tokens=4,
+                        timeout=1.0, error_samples=2).run()
     _invariants(rep)
     assert rep["failures"] == {"http_503": 4, "conn_reset": 4, "timeout": 4, "bad_body": 8, "empty_body": 4,
                                "short_output": 4}
@@ -285,8 +288,8 @@ def test_connection_refused():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rep = pd_load.LoadGenerator(url=f"http://127.0.0.1:{port}", model="m", concurrency=1, max_requests=3,
-                                timeout=2).run()
+    rep = LoadGenerator(url=f"http://127.0.0.1:{port}", model="m", concurrency=1, max_requests=3,
+                        timeout=2).run()
     _invariants(rep)
     assert rep["failures"] == {"conn_refused": 3} and rep["completed"] == 0
     assert rep["fail_reasons"] == ["failed 3 > max_failed 0", "completed 0 < min_completed 1"]
@@ -295,7 +298,7 @@ def test_connection_refused():
 def test_trickling_body_hits_the_per_request_deadline(server_factory):
     srv = server_factory(lambda k, req: "trickle")
     t = time.monotonic()
-    rep = pd_load.LoadGenerator(url=srv.url, model="m", concurrency=1, max_requests=1, timeout=0.4).run()
+    rep = LoadGenerator(url=srv.url, model="m", concurrency=1, max_requests=1, timeout=0.4).run()
     _invariants(rep)
     assert rep["failures"] == {"timeout": 1}
     # the deadline is per request, not per read: 1000 bytes at 50 ms would take 50 s
@@ -306,8 +309,8 @@ def test_stream_ttft_and_stream_failures(server_factory):
     actions = {1: ("stream", "first_delay"), 2: ("stream", "cut"), 3: ("stream", "no_done"),
                0: ("stream", "error_event")}
     srv = server_factory(lambda k, req: actions[k % 4])
-    rep = pd_load.LoadGenerator(url=srv.url, model="m", concurrency=2, max_requests=8, max_tokens=5,
-                                stream=True, timeout=3).run()
+    rep = LoadGenerator(url=srv.url, model="m", concurrency=2, max_requests=8, max_tokens=5,
+                        stream=True, timeout=3).run()
     _invariants(rep)
     assert rep["failures"] == {"conn_reset": 2, "bad_body": 4}
     assert rep["completed"] == 2 and rep["output_tokens"] == 10
@@ -321,7 +324,7 @@ def test_stream_ttft_and_stream_failures(server_factory):
 
 def test_stop_waits_for_in_flight_requests(server_factory):
     srv = server_factory(lambda k, req: ("hold", 0.5))
-    gen = pd_load.LoadGenerator(url=srv.url, model="m", concurrency=2, timeout=5).start()
+    gen = LoadGenerator(url=srv.url, model="m", concurrency=2, timeout=5).start()
     srv.wait_arrivals(2)
     rep = gen.stop()
     _invariants(rep)
@@ -332,7 +335,7 @@ def test_stop_waits_for_in_flight_requests(server_factory):
 
 def test_grace_expiry_counts_unfinished_as_failed(server_factory):
     srv = server_factory(lambda k, req: ("hold", 10))
-    gen = pd_load.LoadGenerator(url=srv.url, model="m", concurrency=2, timeout=20, grace=0.2).start()
+    gen = LoadGenerator(url=srv.url, model="m", concurrency=2, timeout=20, grace=0.2).start()
     srv.wait_arrivals(2)
     t = time.monotonic()
     rep = gen.stop()
@@ -348,21 +351,21 @@ def test_grace_expiry_counts_unfinished_as_failed(server_factory):
 def test_stop_file(server_factory, tmp_path):
     srv = server_factory(lambda k, req: ("hold", 0.02))
     stop = tmp_path / "stop"
-    gen = pd_load.LoadGenerator(url=srv.url, model="m", concurrency=1, stop_file=str(stop), timeout=5).start()
+    gen = LoadGenerator(url=srv.url, model="m", concurrency=1, stop_file=str(stop), timeout=5).start()
     srv.wait_arrivals(3)
     stop.write_text("")
     assert gen.wait(5)
     rep = gen.report()
     _invariants(rep)
     assert rep["stop_reason"] == "stop_file" and rep["failed"] == 0 and rep["completed"] >= 3
-    with pytest.raises(pd_load.ConfigError, match=r"stop_file .* exists already"):
-        pd_load.LoadGenerator(url=srv.url, model="m", stop_file=str(stop))
+    with pytest.raises(ConfigError, match=r"stop_file .* exists already"):
+        LoadGenerator(url=srv.url, model="m", stop_file=str(stop))
 
 
 def test_bad_settings_are_refused_with_the_fix():
-    with pytest.raises(pd_load.ConfigError) as e:
-        pd_load.LoadGenerator(url="10.237.0.13:8000", model="", rate=0, concurrency=0, max_tokens=4,
-                              min_output_tokens=9)
+    with pytest.raises(ConfigError) as e:
+        LoadGenerator(url="10.237.0.13:8000", model="", rate=0, concurrency=0, max_tokens=4,
+                      min_output_tokens=9)
     msg = str(e.value)
     for part in ("url '10.237.0.13:8000': need http://HOST:PORT", "model: empty", "rate 0", "concurrency 0",
                  "min_output_tokens 9"):
@@ -371,7 +374,7 @@ def test_bad_settings_are_refused_with_the_fix():
 
 def test_rate_schedule_sends_rate_times_duration(server_factory):
     srv = server_factory()
-    rep = pd_load.LoadGenerator(url=srv.url, model="m", rate=40, duration=0.5, concurrency=4, timeout=5).run()
+    rep = LoadGenerator(url=srv.url, model="m", rate=40, duration=0.5, concurrency=4, timeout=5).run()
     _invariants(rep)
     assert (rep["sent"], rep["completed"], rep["failed"]) == (20, 20, 0)
     assert rep["stop_reason"] == "duration"
@@ -383,7 +386,7 @@ def test_rate_schedule_sends_rate_times_duration(server_factory):
 
 def test_rate_late_starts_when_the_cap_is_reached(server_factory):
     srv = server_factory(lambda k, req: ("hold", 0.15))  # request n starts >= 0.15 n s, due at 0.02 n s
-    rep = pd_load.LoadGenerator(url=srv.url, model="m", rate=50, concurrency=1, max_requests=4, timeout=5).run()
+    rep = LoadGenerator(url=srv.url, model="m", rate=50, concurrency=1, max_requests=4, timeout=5).run()
     _invariants(rep)
     # requests 2-4 start >= 0.13 s late; the first is late only if its thread started > 0.1 s after start()
     assert rep["completed"] == 4 and 3 <= rep["late_starts"] <= 4 and rep["max_start_lag_s"] >= 0.39
@@ -396,15 +399,15 @@ def test_api_key_and_chat_with_reasoning_output(server_factory):
         return ("ok", "reasoning") if k % 2 == 0 else "ok"
 
     srv = server_factory(plan)
-    rep = pd_load.LoadGenerator(url=srv.url + "/v1/", model="m", endpoint="chat", api_key="sekrit",
-                                concurrency=2, max_requests=4, timeout=5).run()
+    rep = LoadGenerator(url=srv.url + "/v1/", model="m", endpoint="chat", api_key="sekrit",
+                        concurrency=2, max_requests=4, timeout=5).run()
     _invariants(rep)
     assert (rep["completed"], rep["failed"]) == (4, 0)
     assert {r["path"] for r in srv.requests} == {"/v1/chat/completions"}
     assert all(r["body"]["messages"][0]["role"] == "user" for r in srv.requests)
     assert "sekrit" not in json.dumps(rep) and rep["config"]["api_key"] == "<set>"
-    rep = pd_load.LoadGenerator(url=srv.url, model="m", endpoint="chat", concurrency=1, max_requests=2,
-                                timeout=5).run()
+    rep = LoadGenerator(url=srv.url, model="m", endpoint="chat", concurrency=1, max_requests=2,
+                        timeout=5).run()
     assert rep["failures"] == {"http_401": 2}
 
 
@@ -415,8 +418,8 @@ def test_timeline_shows_the_dip(server_factory):
         return ("status", (503, 0.03)) if 0.15 <= req["t"] < 1.35 else ("hold", 0.03)
 
     srv = server_factory(plan)
-    rep = pd_load.LoadGenerator(url=srv.url, model="m", concurrency=2, duration=1.9, bucket=0.5, timeout=5,
-                                max_failed=10**6).run()
+    rep = LoadGenerator(url=srv.url, model="m", concurrency=2, duration=1.9, bucket=0.5, timeout=5,
+                        max_failed=10**6).run()
     _invariants(rep)
     tl = rep["timeline"]
     assert [r["t"] for r in tl[:4]] == [0.0, 0.5, 1.0, 1.5]

@@ -1,4 +1,4 @@
-"""pd_recipe: flag precedence, argv rules, environment, systemd quoting and unit essentials."""
+"""pd_recipe and pd_unit: flag precedence, argv rules, environment, systemd quoting and unit essentials."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import re
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import pd_recipe as r
+from ansible_collections.b300.pd.plugins.module_utils import pd_unit
+from systemd_exec import exec_start_argv, systemd_split
 
 PY = "/opt/vllm/current/bin/python"
 
@@ -150,12 +152,12 @@ def test_env_file_quoting(recipe, inst):
     ],
 )
 def test_systemd_quote(word, quoted):
-    assert r.systemd_quote(word) == quoted
-    assert r.systemd_split(quoted) == [word]
+    assert pd_unit.systemd_quote(word) == quoted
+    assert systemd_split(quoted) == [word]
 
 
 def test_unit_essentials(recipe, inst):
-    unit = r.render_unit(recipe, inst, PY, "vllm", env_dir="/etc/vllm")
+    unit = pd_unit.render_unit(recipe, inst, PY, "vllm", env_dir="/etc/vllm")
     lines = unit.splitlines()
     for want in ["User=vllm", "Group=vllm", "Restart=on-failure", "KillSignal=SIGTERM", "KillMode=mixed",
                  "LimitMEMLOCK=infinity", "LimitNOFILE=1048576", "EnvironmentFile=/etc/vllm/prefill-a.env",
@@ -182,8 +184,8 @@ def test_unit_essentials(recipe, inst):
 
 def test_unit_execstart_roundtrip(recipe, inst):
     inst["extra_flags"] = {"chat-template": "/etc/t 50%.jinja", "override-generation-config": {"k": "it's $x"}}
-    unit = r.render_unit(recipe, inst, PY, "vllm")
-    words = r.exec_start_argv(unit)
+    unit = pd_unit.render_unit(recipe, inst, PY, "vllm")
+    words = exec_start_argv(unit)
     assert words[:2] == ["/opt/vllm/current/bin/vllm", "serve"]  # the console script beside the venv's python
     assert words[2:] == r.build_argv(recipe, inst)
     assert json.loads(words[words.index("--override-generation-config") + 1]) == {"k": "it's $x"}
@@ -199,8 +201,8 @@ def test_unit_execstart_roundtrip(recipe, inst):
 ])
 def test_serve_command_follows_the_vllm_distribution(recipe, inst, package, command):
     assert r.serve_command("/opt/vllm/venvs/v/bin/python", package) == command
-    unit = r.render_unit(recipe, inst, "/opt/vllm/venvs/v/bin/python", "vllm", vllm_package=package)
-    assert r.exec_start_argv(unit) == [*command, *r.build_argv(recipe, inst)]
+    unit = pd_unit.render_unit(recipe, inst, "/opt/vllm/venvs/v/bin/python", "vllm", vllm_package=package)
+    assert exec_start_argv(unit) == [*command, *r.build_argv(recipe, inst)]
 
 
 def test_serve_command_refuses_an_unknown_distribution():
@@ -245,7 +247,7 @@ def test_api_server_count_refuses_what_vllm_refuses(flags, match):
 def test_timeout_stop_follows_shutdown_timeout(recipe, inst):
     rec = copy.deepcopy(recipe)
     rec["pd_vllm_flags_common"]["shutdown-timeout"] = 45
-    unit = r.render_unit(rec, inst, PY, "vllm", stop_grace_s=30)
+    unit = pd_unit.render_unit(rec, inst, PY, "vllm", stop_grace_s=30)
     assert "TimeoutStopSec=75" in unit.splitlines()
 
 
@@ -279,7 +281,7 @@ def test_systemd_accepts_rendered_units(tmp_path, inventory):
     units = []
     for hv in inv["hosts"].values():
         for inst in hv["pd_instances"]:
-            text = r.render_unit(inv["recipe"], inst, str(venv_bin / "python"), "root", env_dir=str(tmp_path),
+            text = pd_unit.render_unit(inv["recipe"], inst, str(venv_bin / "python"), "root", env_dir=str(tmp_path),
                                  vllm_package=package)
             (tmp_path / f"{inst['name']}.env").write_text(r.render_env_file(
                 r.build_env(inv["recipe"], inst, hv["ansible_host"]), inst))

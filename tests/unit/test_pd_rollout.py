@@ -12,7 +12,8 @@ import itertools
 from pathlib import Path
 
 import pytest
-from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import build_argv, compat_key  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import build_argv  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_record import compat_key  # noqa: E402
 from ansible_collections.b300.pd.plugins.plugin_utils import pd_rollout as ro
 from conftest import load_inventory  # noqa: E402
 

@@ -121,6 +121,7 @@ PLAYBOOK = """
       ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: wait_idle.yml}
     - name: Ready
       ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: ready.yml}
+      vars: {_pd_rollout_unit: "vllm-{{ _pd_rollout_inst.name }}.service"}  # instance.yml: the record's unit
     - name: Smoke
       ansible.builtin.include_role: {name: b300.pd.pd_rollout, tasks_from: smoke.yml}
       vars: {_pd_rollout_key: k}

@@ -11,7 +11,16 @@ import math
 
 import pytest
 import yaml
+from ansible_collections.b300.pd.bench.pd_cluster import inventory_data
 from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_topology
+from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_inputs import (
+    LISTENERS,
+    VIEW_ROLES,
+    listener_services,
+    topology_args,
+)
+from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import VIEW_VARS
+from ansible_collections.b300.pd.plugins.plugin_utils.pd_role_defaults import role_defaults
 from conftest import ROOT, load_inventory, load_library, run_module, topology_input
 
 INJECTION = "GLM\n[Service]\nExecStartPre=/bin/sh -c 'touch /tmp/pwned'"
@@ -251,15 +260,43 @@ def test_integer_host_names_are_reported_not_raised():
 
 
 def test_validate_playbook_passes_every_listener_with_its_role_default():
-    """The listeners validate.yml hands to pd_topology are port vars that the roles really define."""
+    """The listeners pd_topology checks are port vars that the roles really define, gathered for validate.yml by the
+    action plugin (the playbook copies no list and overrides none of what it gathers)."""
     play = yaml.safe_load((ROOT / "playbooks" / "validate.yml").read_text())[0]
-    listeners = play["vars"]["_pd_listeners"]
-    assert "services" in play["tasks"][0]["block"][0]["b300.pd.pd_topology"]
-    fields = {(entry["role"], entry["field"]) for entry in listeners}
+    assert play["tasks"][0]["block"][0]["b300.pd.pd_topology"] in (None, {})  # services, inventory: all gathered
+    assert not [name for name, value in play["vars"].items() if isinstance(value, list | dict)], play["vars"]
+    fields = {(VIEW_VARS[field], field) for _, field, _ in LISTENERS}
     assert fields >= {("pd_router", "pd_router_port"), ("pd_frontdoor", "pd_frontdoor_metrics_port"),
                       ("observability", "observability_prometheus_port"), ("node_exporter", "node_exporter_port")}
-    # The router units' ports (a list per host, pd_router_units) are added to the services by the play itself.
-    assert "pd_router_units" in play["vars"]["_pd_services"]
+    defaults = role_defaults()
     for role, field in fields:
-        defaults = yaml.safe_load((ROOT / "roles" / role / "defaults" / "main.yml").read_text())
-        assert isinstance(defaults.get(field), int), (role, field)
+        assert isinstance(defaults[role].get(field), int), (role, field)
+    # The router units' ports (a list per host, pd_router_units) are services too: the role's default units here.
+    groups = {"router_hosts": ["r1"], "monitoring_hosts": ["r1"], "vllm_hosts": ["v1"]}
+    services = listener_services(groups, {"r1": {"node_exporter_port": 9101}, "v1": {}}, defaults)
+    assert {(s["host"], s["field"], s["port"]) for s in services} >= {
+        ("r1", "pd_router_port", defaults["pd_router"]["pd_router_port"]), ("r1", "node_exporter_port", 9101),
+        ("v1", "node_exporter_port", defaults["node_exporter"]["node_exporter_port"]),
+        *(("r1", f"pd_router_units {unit['name']} {field}", unit[field])
+          for unit in defaults["pd_router"]["pd_router_units"] for field in ("port", "metrics_port"))}
+    assert len([s for s in services if s["field"] == "node_exporter_port"]) == 2  # r1 once, though in two groups
+
+
+def test_action_plugin_gathers_what_the_playbook_built():
+    """inventory/b300 through the gathering: the vLLM hosts with their own recipe vars, the first host's recipe and
+    pd_sla, every listener, and the view's inventory with every VIEW_VARS a host sets."""
+    groups, hostvars = inventory_data(ROOT / "inventory" / "b300")
+    args = topology_args(groups, hostvars, role_defaults())
+    inv = load_inventory("b300")
+    assert list(args["hosts"]) == ["b300-01", "b300-02", "b300-03"]
+    assert {h: {k: v for k, v in hv.items() if k != "recipe"} for h, hv in args["hosts"].items()} == topology_input(inv)
+    assert args["recipe"] == inv["recipe"] == args["hosts"]["b300-03"]["recipe"]
+    assert args["sla"] == inv["group_vars"]["pd_sla"]
+    assert pd_topology.validate_topology(args["hosts"], args["recipe"], args["sla"], args["services"]) == []
+    assert {(s["host"], s["field"]) for s in args["services"]} >= {
+        ("b300-03", "pd_router_port"), ("b300-02", "pd_frontdoor_metrics_port"),
+        ("b300-03", "observability_prometheus_port"), ("b300-01", "node_exporter_port"),
+        ("b300-02", "pd_router_units vllm-router metrics_port")}
+    assert args["inventory"]["groups"]["router_hosts"] == ["b300-03", "b300-02"]
+    assert set(args["inventory"]["defaults"]) == set(VIEW_ROLES)
+    assert args["inventory"]["hostvars"]["b300-01"] == {k: v for k, v in hostvars["b300-01"].items() if k in VIEW_VARS}

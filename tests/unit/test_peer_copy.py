@@ -17,7 +17,8 @@ import pytest
 import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
-from ansible_collections.b300.pd.plugins.module_utils.model_manifest import ManifestError, RsyncFetcher
+from ansible_collections.b300.pd.plugins.module_utils.model_errors import ManifestError
+from ansible_collections.b300.pd.plugins.module_utils.model_fetchers import RsyncFetcher
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "model_weights"

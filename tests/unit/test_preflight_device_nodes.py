@@ -1,6 +1,6 @@
 """preflight on GPU hosts: the device nodes the sandboxed vLLM unit opens exist (issue #18).
 
-The vLLM unit has DevicePolicy=closed with a DeviceAllow list (plugins/module_utils/pd_recipe.py UNIT_DEVICE_ALLOW), no
+The vLLM unit has DevicePolicy=closed with a DeviceAllow list (plugins/module_utils/pd_unit.py UNIT_DEVICE_ALLOW), no
 capability and ProtectKernelModules: it cannot make a node that is missing at start. gpu_facts' check_device_nodes
 looks for each node in a fake /dev tree (dev_dir) and a fake /sys/class/infiniband (rdma_sysfs_dir); the GPUs are
 those of the constructed B300 sample and the real H200 capture. main had no such check: every test here fails there
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import gpu_facts as gf
-from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
+from ansible_collections.b300.pd.plugins.module_utils import pd_unit
 from conftest import load_library, run_module
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
@@ -64,7 +64,7 @@ def test_every_node_present_is_no_problem(tmp_path):
     dev = _dev_tree(tmp_path, uverbs=("uverbs0", "uverbs1"))
     assert gf.check_device_nodes(_facts(rdma_dir=sysfs), str(dev), ["mlx5_0:1", "mlx5_1"]) == []
     # the nodes checked are those of the unit's DeviceAllow groups (docs/security.md lists both)
-    groups = {d.split()[0] for d in pd_recipe.UNIT_DEVICE_ALLOW}
+    groups = {d.split()[0] for d in pd_unit.UNIT_DEVICE_ALLOW}
     for group in ("char-nvidiactl", "char-nvidia", "char-nvidia-uvm", "char-nvidia-caps",
                   "char-nvidia-caps-imex-channels", "char-infiniband_verbs"):
         assert group in groups, group

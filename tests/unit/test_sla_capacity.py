@@ -1,5 +1,5 @@
-"""bench/sla_capacity.py: the capacity search (bracket + bisect), vllm bench serve result parsing, SLA verdict,
-the inventory's context range, Prometheus answers.
+"""bench/sla_capacity.py and its capacity_* modules: the capacity search (bracket + bisect), vllm bench serve
+result parsing, SLA verdict, the inventory's context range, Prometheus answers.
 
 The search runs on synthetic monotone latency curves whose knee is known exactly; the parser reads a result
 file that `vllm bench serve --save-result` wrote against the live local stack (tests/fixtures/capacity).
@@ -9,17 +9,46 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from ansible_collections.b300.pd.bench import sla_capacity as cap
+from ansible_collections.b300.pd.bench.capacity_fit import compare, loglog_crossing, sla_crossing, sla_ratio
+from ansible_collections.b300.pd.bench.capacity_plan import (
+    Sla,
+    UsageError,
+    context_lengths,
+    load_group_vars,
+    plan_from_vars,
+)
+from ansible_collections.b300.pd.bench.capacity_points import (
+    Point,
+    decisive_miss,
+    majority_verdict,
+    parse_bench_result,
+    prompts_for,
+    rate_summary,
+    rate_verdicts,
+    sla_verdict,
+)
+from ansible_collections.b300.pd.bench.capacity_prometheus import PROM_QUERIES, parse_prom_vector, prom_window
+from ansible_collections.b300.pd.bench.capacity_report import _fit_cell, comparison_markdown, render_markdown
+from ansible_collections.b300.pd.bench.capacity_search import (
+    budget_allows,
+    capacity_search,
+    knee_of_sweep,
+    point_worst_s,
+    sweep_rates,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "sla_capacity.py"
 FIXTURE = ROOT / "tests" / "fixtures" / "capacity" / "vllm_bench_serve_result.json"
 
-SLA = cap.Sla(ttft_mean_ms=2500.0, tpot_mean_ms=20.0)
+SLA = Sla(ttft_mean_ms=2500.0, tpot_mean_ms=20.0)
 
 
 # ------------------------------------------------------------------------------------------ search
@@ -43,8 +72,8 @@ def test_search_finds_knee_to_precision_with_few_points(capacity, precision):
         calls.append(rate)
         return _queue_ttft_ms(rate, capacity) <= SLA.ttft_mean_ms
 
-    found, fail, points = cap.capacity_search(measure, start_rate=0.5, precision=precision, min_rate=0.01,
-                                              max_points=20)
+    found, fail, points = capacity_search(measure, start_rate=0.5, precision=precision, min_rate=0.01,
+                                          max_points=20)
     assert found <= knee  # the reported rate passed: never above the true knee
     assert fail > knee  # the bracket's failing end really fails
     assert fail / found - 1.0 <= precision + 1e-12
@@ -56,33 +85,33 @@ def test_search_finds_knee_to_precision_with_few_points(capacity, precision):
 
 
 def test_search_stops_at_max_points():
-    found, _, points = cap.capacity_search(lambda r: r < 1000.0, 0.5, 0.01, 0.01, max_points=5)
+    found, _, points = capacity_search(lambda r: r < 1000.0, 0.5, 0.01, 0.01, max_points=5)
     assert len(points) == 5
     assert found == 8.0  # 0.5 1 2 4 8 all pass; no failing rate found within the budget
 
 
 def test_search_reports_zero_when_even_min_rate_fails():
-    found, fail, points = cap.capacity_search(lambda r: False, 0.5, 0.1, 0.05, max_points=20)
+    found, fail, points = capacity_search(lambda r: False, 0.5, 0.1, 0.05, max_points=20)
     assert found == 0.0
     assert fail == pytest.approx(0.0625)  # 0.5 0.25 0.125 0.0625; 0.03125 < min_rate is not measured
     assert len(points) == 4
 
 
 def test_search_rejects_bad_parameters():
-    with pytest.raises(cap.UsageError, match="precision"):
-        cap.capacity_search(lambda r: True, 0.5, 0.0, 0.01, 8)
+    with pytest.raises(UsageError, match="precision"):
+        capacity_search(lambda r: True, 0.5, 0.0, 0.01, 8)
 
 
 def test_sweep_knee_is_last_pass_before_first_fail():
-    assert cap.knee_of_sweep([(0.6, True), (0.2, True), (0.4, True), (0.8, False), (1.0, True)]) == 0.6
-    assert cap.knee_of_sweep([(0.2, False), (0.4, True)]) == 0.0
-    assert cap.sweep_rates(0.6, 1.4, 9) == [0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4]
+    assert knee_of_sweep([(0.6, True), (0.2, True), (0.4, True), (0.8, False), (1.0, True)]) == 0.6
+    assert knee_of_sweep([(0.2, False), (0.4, True)]) == 0.0
+    assert sweep_rates(0.6, 1.4, 9) == [0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4]
 
 
 # ------------------------------------------------------------------------------------------ vllm bench result
 def test_parse_real_vllm_bench_result():
     data = json.loads(FIXTURE.read_text())
-    point = cap.parse_bench_result(data, cap.Point(context=256, rate=0.5, num_prompts=data["num_prompts"]))
+    point = parse_bench_result(data, Point(context=256, rate=0.5, num_prompts=data["num_prompts"]))
     assert point.completed == 6
     assert point.failed == 0
     assert point.mean_ttft_ms == pytest.approx(335.1396503333793)
@@ -90,31 +119,31 @@ def test_parse_real_vllm_bench_result():
     assert point.p99_ttft_ms == pytest.approx(1152.780893800082)
     assert point.request_goodput == pytest.approx(0.4762853889441355)
     assert point.duration_s == pytest.approx(12.59748910900089)
-    assert cap.sla_verdict(point, SLA) == (True, "meets SLA")
+    assert sla_verdict(point, SLA) == (True, "meets SLA")
 
 
 def test_parse_counts_missing_requests_as_failed_without_failed_field():
     data = json.loads(FIXTURE.read_text())
     del data["failed"]
     data["completed"] = 4
-    point = cap.parse_bench_result(data, cap.Point(context=256, rate=0.5, num_prompts=6))
+    point = parse_bench_result(data, Point(context=256, rate=0.5, num_prompts=6))
     assert point.failed == 2
-    ok, reason = cap.sla_verdict(point, SLA)
+    ok, reason = sla_verdict(point, SLA)
     assert not ok
     assert "4/6 completed" in reason
 
 
 def test_parse_all_failed_has_no_latency():
     data = dict(json.loads(FIXTURE.read_text()), completed=0, failed=6, mean_ttft_ms=0.0, mean_tpot_ms=0.0)
-    point = cap.parse_bench_result(data, cap.Point(context=256, rate=0.5, num_prompts=6))
+    point = parse_bench_result(data, Point(context=256, rate=0.5, num_prompts=6))
     assert point.mean_ttft_ms is None  # vLLM's 0.0 would plot as the best point (and as -inf on a log axis)
-    assert cap.sla_verdict(point, SLA) == (False, "6 failed, 0/6 completed")
+    assert sla_verdict(point, SLA) == (False, "6 failed, 0/6 completed")
 
 
 def test_parse_rejects_other_json():
     with pytest.raises(ValueError, match="mean_ttft_ms"):
-        cap.parse_bench_result({"completed": 1, "duration": 1.0, "mean_tpot_ms": 1.0},
-                               cap.Point(context=1, rate=1.0, num_prompts=1))
+        parse_bench_result({"completed": 1, "duration": 1.0, "mean_tpot_ms": 1.0},
+                           Point(context=1, rate=1.0, num_prompts=1))
 
 
 # ------------------------------------------------------------------------------------------ SLA verdict
@@ -125,48 +154,48 @@ def test_parse_rejects_other_json():
     (3000.0, 30.0, False, "mean TTFT 3000 ms > 2500; mean TPOT 30.0 ms > 20"),
 ])
 def test_sla_verdict(ttft, tpot, ok, text):
-    p = cap.Point(context=1, rate=1.0, num_prompts=4, completed=4, mean_ttft_ms=ttft, mean_tpot_ms=tpot)
-    assert cap.sla_verdict(p, SLA) == (ok, text)
+    p = Point(context=1, rate=1.0, num_prompts=4, completed=4, mean_ttft_ms=ttft, mean_tpot_ms=tpot)
+    assert sla_verdict(p, SLA) == (ok, text)
 
 
 def test_sla_verdict_fails_on_a_failed_request_even_if_fast():
-    p = cap.Point(context=1, rate=1.0, num_prompts=4, completed=3, failed=1, mean_ttft_ms=1.0, mean_tpot_ms=1.0)
-    assert cap.sla_verdict(p, SLA)[0] is False
+    p = Point(context=1, rate=1.0, num_prompts=4, completed=3, failed=1, mean_ttft_ms=1.0, mean_tpot_ms=1.0)
+    assert sla_verdict(p, SLA)[0] is False
 
 
 # ------------------------------------------------------------------------------------------ inventory
 def _vars(inv):
-    return cap._load_group_vars(ROOT / "inventory" / inv)
+    return load_group_vars(ROOT / "inventory" / inv)
 
 
 def test_b300_contexts_are_the_recipe_range():
-    plan = cap.plan_from_vars(_vars("b300"))
-    assert plan.sla == cap.Sla(2500.0, 20.0)
+    plan = plan_from_vars(_vars("b300"))
+    assert plan.sla == Sla(2500.0, 20.0)
     # 256K clipped to the window minus the output tokens, as verify does
-    assert cap.context_lengths(plan.context_min, plan.context_max, 4, plan.max_model_len, plan.output_len) == [
+    assert context_lengths(plan.context_min, plan.context_max, 4, plan.max_model_len, plan.output_len) == [
         16384, 65536, 131072, 262144 - plan.output_len]
 
 
 def test_local_contexts_come_from_its_own_range():
-    plan = cap.plan_from_vars(_vars("local"))
+    plan = plan_from_vars(_vars("local"))
     assert plan.model == "tiny-pd"
-    assert cap.context_lengths(plan.context_min, plan.context_max, 2, plan.max_model_len, plan.output_len) == [
+    assert context_lengths(plan.context_min, plan.context_max, 2, plan.max_model_len, plan.output_len) == [
         plan.context_min, plan.context_max]
 
 
 def test_bad_inventory_names_the_field():
     v = dict(_vars("local"))
     v["pd_sla"] = dict(v["pd_sla"], tpot_mean_ms="fast")
-    with pytest.raises(cap.UsageError, match=r"pd_sla\.tpot_mean_ms"):
-        cap.plan_from_vars(v)
-    with pytest.raises(cap.UsageError, match="pd_verify_sla_output_len"):
-        cap.plan_from_vars({k: val for k, val in _vars("local").items() if k != "pd_verify_sla_output_len"})
+    with pytest.raises(UsageError, match=r"pd_sla\.tpot_mean_ms"):
+        plan_from_vars(v)
+    with pytest.raises(UsageError, match="pd_verify_sla_output_len"):
+        plan_from_vars({k: val for k, val in _vars("local").items() if k != "pd_verify_sla_output_len"})
 
 
 def test_prompts_bounded():
-    assert cap.prompts_for(0.1, 20, 6, 200) == 6
-    assert cap.prompts_for(1.3, 20, 6, 200) == 26
-    assert cap.prompts_for(50, 20, 6, 200) == 200
+    assert prompts_for(0.1, 20, 6, 200) == 6
+    assert prompts_for(1.3, 20, 6, 200) == 26
+    assert prompts_for(50, 20, 6, 200) == 200
 
 
 # ------------------------------------------------------------------------------------------ Prometheus
@@ -174,10 +203,10 @@ def test_prom_vector_drops_nan_and_keeps_pools():
     payload = {"status": "success", "data": {"resultType": "vector", "result": [
         {"metric": {"pool": "decode"}, "value": [1, "0.25"]},
         {"metric": {"pool": "prefill"}, "value": [1, "NaN"]}]}}
-    assert cap.parse_prom_vector(payload) == {"decode": 0.25}
+    assert parse_prom_vector(payload) == {"decode": 0.25}
     with pytest.raises(ValueError, match="bad_data"):
-        cap.parse_prom_vector({"status": "error", "error": "bad_data"})
-    assert cap.prom_window(12.4, 15) == "43s"
+        parse_prom_vector({"status": "error", "error": "bad_data"})
+    assert prom_window(12.4, 15) == "43s"
 
 
 def test_main_bad_inventory_exits_2(tmp_path, capsys):
@@ -188,8 +217,8 @@ def test_main_bad_inventory_exits_2(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------ time budget
 def test_point_worst_case_counts_the_prometheus_read_back():
-    assert cap.point_worst_s(60.0, "", 10.0) == 60.0  # no Prometheus URL: no read-back
-    assert cap.point_worst_s(60.0, "http://127.0.0.1:9090", 2.0) == 60.0 + 2.0 * len(cap.PROM_QUERIES)
+    assert point_worst_s(60.0, "", 10.0) == 60.0  # no Prometheus URL: no read-back
+    assert point_worst_s(60.0, "http://127.0.0.1:9090", 2.0) == 60.0 + 2.0 * len(PROM_QUERIES)
 
 
 @pytest.mark.parametrize(("elapsed", "contexts_after", "ok"), [
@@ -197,8 +226,8 @@ def test_point_worst_case_counts_the_prometheus_read_back():
     (110.0, 0, True), (110.5, 0, False),  # the last context: only this point
 ])
 def test_budget_keeps_a_worst_case_point_for_each_later_context(elapsed, contexts_after, ok):
-    assert cap.budget_allows(elapsed, 30.0, contexts_after, 140.0) is ok
-    assert cap.budget_allows(elapsed, 30.0, contexts_after, None) is True  # no budget given
+    assert budget_allows(elapsed, 30.0, contexts_after, 140.0) is ok
+    assert budget_allows(elapsed, 30.0, contexts_after, None) is True  # no budget given
 
 
 def _timed_points(monkeypatch, seconds_per_point: float, capacity: float) -> list:
@@ -210,8 +239,8 @@ def _timed_points(monkeypatch, seconds_per_point: float, capacity: float) -> lis
     def run_point(a, context, rate, result_dir, log, *, attempt=1):
         now[0] += seconds_per_point
         ok = rate < capacity
-        return cap.Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=300.0 if ok else 9e3,
-                         mean_tpot_ms=5.0, request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic")
+        return Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=300.0 if ok else 9e3,
+                     mean_tpot_ms=5.0, request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic")
 
     monkeypatch.setattr(cap, "run_point", run_point)
     return now
@@ -313,9 +342,9 @@ def test_a_failed_rate_is_measured_again_and_fails_only_if_every_point_fails(tmp
         now[0] += 1.0
         seen.append((context, rate, attempt))
         ok = rate < 5.0 and not (rate == 2.0 and attempt == 1)
-        return cap.Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=300.0 if ok else 9e3,
-                         mean_tpot_ms=5.0, request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic",
-                         attempt=attempt)
+        return Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=300.0 if ok else 9e3,
+                     mean_tpot_ms=5.0, request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic",
+                     attempt=attempt)
 
     monkeypatch.setattr(cap, "run_point", run_point)
     assert cap.main(_argv(tmp_path, "--contexts", "256", "--confirm-failures", "1")) == 0
@@ -342,19 +371,19 @@ def test_a_failed_rate_is_measured_again_and_fails_only_if_every_point_fails(tmp
     (2, 2, 5, None), (3, 1, 5, True), (1, 3, 5, False),
 ])
 def test_majority_verdict_decides_once_most_points_agree(passes, fails, repeats, verdict):
-    assert cap.majority_verdict(passes, fails, repeats) is verdict
+    assert majority_verdict(passes, fails, repeats) is verdict
 
 
 def test_rate_verdicts_any_pass_with_confirmation_majority_with_repeats():
     def pt(rate, ok):
-        return cap.Point(context=256, rate=rate, num_prompts=4, passed=ok)
+        return Point(context=256, rate=rate, num_prompts=4, passed=ok)
 
     points = [pt(4.0, True), pt(4.0, True), pt(8.0, False), pt(8.0, True), pt(8.0, False), pt(6.0, True),
               pt(6.0, False)]
     # --confirm-failures: one pass clears a rate
-    assert cap.rate_verdicts(points, 1) == [(4.0, True), (8.0, True), (6.0, True)]
+    assert rate_verdicts(points, 1) == [(4.0, True), (8.0, True), (6.0, True)]
     # --repeats 3: most points decide; 6.0 stopped undecided (1 of 2) counts as failed
-    assert cap.rate_verdicts(points, 3) == [(4.0, True), (8.0, False), (6.0, False)]
+    assert rate_verdicts(points, 3) == [(4.0, True), (8.0, False), (6.0, False)]
 
 
 def test_rate_summary_takes_the_median_of_a_rates_points():
@@ -362,7 +391,7 @@ def test_rate_summary_takes_the_median_of_a_rates_points():
             "request_goodput": r if ok else 0.0}
            for r, ok, ttft, tpot in [(8.0, True, 100, 15.0), (8.0, False, 140, 22.0), (8.0, True, 120, 18.0),
                                      (4.0, True, 90, 9.0)]]
-    rows = cap.rate_summary(pts, 3)
+    rows = rate_summary(pts, 3)
     assert [r["rate"] for r in rows] == [4.0, 8.0]
     assert rows[1] == {"rate": 8.0, "passed": True, "points": 3, "passes": 2, "mean_ttft_ms": 120,
                        "mean_tpot_ms": 18.0, "request_goodput": 8.0}
@@ -379,8 +408,8 @@ def _scripted_points(monkeypatch, outcome) -> list:
         now[0] += 1.0
         seen.append((rate, attempt))
         ok, ttft, tpot = outcome(rate, len(seen))
-        return cap.Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=ttft, mean_tpot_ms=tpot,
-                         request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic", attempt=attempt)
+        return Point(context=context, rate=rate, num_prompts=4, completed=4, mean_ttft_ms=ttft, mean_tpot_ms=tpot,
+                     request_goodput=rate if ok else 0.0, passed=ok, reason="synthetic", attempt=attempt)
 
     monkeypatch.setattr(cap, "run_point", run_point)
     return seen
@@ -438,11 +467,11 @@ def test_a_miss_far_beyond_the_sla_fails_its_rate_without_repeats(tmp_path, monk
     assert all(n == 2 for r, n in attempts.items() if r < 5.0)  # passes never decide alone
     assert rep["params"]["decisive_factor"] == 2.5
     # timed out: decisive whatever the factor; a pass never is; factor 0 turns it off
-    sla = cap.Sla(2500.0, 20.0)
-    hung = cap.Point(context=256, rate=9.0, num_prompts=4, timed_out=True)
-    assert cap.decisive_miss(hung, sla, 2.5) and not cap.decisive_miss(hung, sla, 0)
-    good = cap.Point(context=256, rate=1.0, num_prompts=4, mean_ttft_ms=9e3, passed=True)
-    assert not cap.decisive_miss(good, sla, 2.5)
+    sla = Sla(2500.0, 20.0)
+    hung = Point(context=256, rate=9.0, num_prompts=4, timed_out=True)
+    assert decisive_miss(hung, sla, 2.5) and not decisive_miss(hung, sla, 0)
+    good = Point(context=256, rate=1.0, num_prompts=4, mean_ttft_ms=9e3, passed=True)
+    assert not decisive_miss(good, sla, 2.5)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -487,9 +516,9 @@ def _fake_bench(monkeypatch, ttft_ms: float = 300.0) -> list:
         n = int(arg("--num-prompts"))
         data.update(num_prompts=n, completed=n, failed=0, mean_ttft_ms=ttft_ms)
         (Path(arg("--result-dir")) / arg("--result-filename")).write_text(json.dumps(data))
-        return cap.subprocess.CompletedProcess(cmd, 0, "", "")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(cap.subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "run", run)
     return runs
 
 
@@ -558,10 +587,10 @@ def test_the_points_table_shows_the_prefix_cache_hits_per_pool():
            "sla": {"ttft_mean_ms": 2500.0, "tpot_mean_ms": 20.0}, "command": "c",
            "params": {"start_rate": 1.0, "precision": 0.1, "repeats": 1},
            "contexts": [{"context": 256, "max_rate": 1.0, "fail_rate": 2.0, "points": [
-               {**cap.asdict(cap.Point(context=256, rate=1.0, num_prompts=4, completed=4, mean_ttft_ms=100.0,
-                                       mean_tpot_ms=5.0, passed=True)),
+               {**asdict(Point(context=256, rate=1.0, num_prompts=4, completed=4, mean_ttft_ms=100.0,
+                               mean_tpot_ms=5.0, passed=True)),
                 "prometheus": {"prefix_cache_hit_rate": {"prefill": 0.873, "decode": 0.0}}}]}]}
-    row = next(line for line in cap.render_markdown(rep).splitlines() if line.startswith("| 256 | 1 |"))
+    row = next(line for line in render_markdown(rep).splitlines() if line.startswith("| 256 | 1 |"))
     assert "| decode 0, prefill 87 |" in row
 
 
@@ -574,32 +603,32 @@ def _pt(rate, tpot, ttft=300.0, **kw):
 
 
 def test_sla_ratio_is_the_worse_of_both_limits_and_none_without_a_size():
-    assert cap.sla_ratio(_pt(10, 10.0, ttft=3750.0), SLA_DICT) == 1.5  # TTFT 1.5x, TPOT 0.5x
-    assert cap.sla_ratio(_pt(10, 30.0), SLA_DICT) == 1.5
-    assert cap.sla_ratio(_pt(10, 30.0, failed=2), SLA_DICT) is None  # a miss, but of no measurable size
-    assert cap.sla_ratio(_pt(10, 30.0, timed_out=True), SLA_DICT) is None
-    assert cap.sla_ratio(_pt(10, None), SLA_DICT) is None
+    assert sla_ratio(_pt(10, 10.0, ttft=3750.0), SLA_DICT) == 1.5  # TTFT 1.5x, TPOT 0.5x
+    assert sla_ratio(_pt(10, 30.0), SLA_DICT) == 1.5
+    assert sla_ratio(_pt(10, 30.0, failed=2), SLA_DICT) is None  # a miss, but of no measurable size
+    assert sla_ratio(_pt(10, 30.0, timed_out=True), SLA_DICT) is None
+    assert sla_ratio(_pt(10, None), SLA_DICT) is None
 
 
 def test_loglog_crossing_is_exact_on_a_power_law_and_refuses_flat_or_falling_points():
     pairs = [(r, (r / 7.0) ** 3) for r in (5.0, 6.0, 8.0, 9.0)]
-    assert cap.loglog_crossing(pairs) == pytest.approx(7.0)
-    assert cap.loglog_crossing([(5.0, 0.8), (5.0, 1.2)]) is None  # one rate: no slope
-    assert cap.loglog_crossing([(5.0, 1.2), (6.0, 0.9)]) is None  # falling with the rate: noise, no crossing
+    assert loglog_crossing(pairs) == pytest.approx(7.0)
+    assert loglog_crossing([(5.0, 0.8), (5.0, 1.2)]) is None  # one rate: no slope
+    assert loglog_crossing([(5.0, 1.2), (6.0, 0.9)]) is None  # falling with the rate: noise, no crossing
 
 
 def test_the_crossing_ignores_points_outside_the_window_and_needs_a_failing_rate():
     # TPOT = 20 ms x (rate / 7)^2 near the knee; a far-overloaded point (3x the rate, 50x the limit, a queue that
     # grew for the whole point) lies outside 1.3x the bracket and must not bend the line
     pts = [_pt(r, 20.0 * (r / 7.0) ** 2) for r in (5.0, 6.0, 6.5, 7.5, 8.0)] + [_pt(24.0, 1000.0)]
-    fit = cap.sla_crossing(pts, SLA_DICT, lo=6.5, hi=7.5, window=1.3)
+    fit = sla_crossing(pts, SLA_DICT, lo=6.5, hi=7.5, window=1.3)
     assert fit["rate"] == pytest.approx(7.0, rel=1e-3) and fit["points"] == 5 and fit["rates"] == [5.0, 8.0]
     assert fit["ci90"][0] <= 7.0 <= fit["ci90"][1] and fit["extrapolated"] is False
-    assert cap.sla_crossing(pts, SLA_DICT, lo=8.0, hi=None, window=1.3)["rate"] is None  # no failing rate
-    assert "fewer than 2" in cap.sla_crossing(pts[:1], SLA_DICT, lo=5.0, hi=5.5, window=1.3)["why"]
+    assert sla_crossing(pts, SLA_DICT, lo=8.0, hi=None, window=1.3)["rate"] is None  # no failing rate
+    assert "fewer than 2" in sla_crossing(pts[:1], SLA_DICT, lo=5.0, hi=5.5, window=1.3)["why"]
     # a sweep whose every rate failed (knee 0): the window hangs from the first failing rate; the crossing lies
     # below every measured rate, and says so
-    low = cap.sla_crossing([_pt(r, 20.0 * (r / 7.0) ** 2) for r in (7.5, 8.0, 8.5)], SLA_DICT, 0.0, 7.5, 1.3)
+    low = sla_crossing([_pt(r, 20.0 * (r / 7.0) ** 2) for r in (7.5, 8.0, 8.5)], SLA_DICT, 0.0, 7.5, 1.3)
     assert low["rate"] == pytest.approx(7.0, rel=1e-3) and low["extrapolated"] is True
 
 
@@ -617,11 +646,11 @@ SWEEP_256 = [(48.44, 25.5), (48.44, 14.84), (48.44, 21.23), (51.66, 24.74), (51.
 def test_on_measured_points_the_fits_agree_where_the_verdicts_do_not():
     search = [_pt(r, t) for r, t in SEARCH_256]
     sweep = [_pt(r, t) for r, t in SWEEP_256]
-    search_fit = cap.sla_crossing(search, SLA_DICT, lo=53.82, hi=56.2, window=1.3)
-    sweep_fit = cap.sla_crossing(sweep, SLA_DICT, lo=0.0, hi=48.44, window=1.3)
-    verdicts = cap.rate_verdicts([cap.Point(context=256, rate=r, num_prompts=1, passed=t <= 20.0)
-                                  for r, t in SWEEP_256], repeats=3)
-    assert cap.knee_of_sweep(verdicts) == 0.0  # by majority every rate of the sweep failed
+    search_fit = sla_crossing(search, SLA_DICT, lo=53.82, hi=56.2, window=1.3)
+    sweep_fit = sla_crossing(sweep, SLA_DICT, lo=0.0, hi=48.44, window=1.3)
+    verdicts = rate_verdicts([Point(context=256, rate=r, num_prompts=1, passed=t <= 20.0)
+                              for r, t in SWEEP_256], repeats=3)
+    assert knee_of_sweep(verdicts) == 0.0  # by majority every rate of the sweep failed
     assert abs(search_fit["rate"] / sweep_fit["rate"] - 1.0) < 0.02  # 48.9 vs 49.2 req/s
     assert search_fit["ci90"][0] < search_fit["rate"] < search_fit["ci90"][1]
 
@@ -713,26 +742,26 @@ def test_a_crossing_far_outside_the_measured_rates_is_no_estimate():
     # TPOT 17.6-36.8 ms, no trend); the nearly flat line reached 20 ms at 0.002 req/s (54.3 is outside 1.3x 40.7)
     flat = [(40.73, 21.5), (40.73, 27.5), (43.44, 13.6), (43.44, 21.7), (43.44, 23.6), (46.16, 24.6), (46.16, 48.3),
             (48.88, 17.6), (48.88, 25.6), (48.88, 16.2), (51.59, 22.1), (51.59, 26.2), (54.31, 32.1), (54.31, 41.5)]
-    fit = cap.sla_crossing([_pt(r, t) for r, t in flat], SLA_DICT, lo=0.0, hi=40.73, window=1.3)
+    fit = sla_crossing([_pt(r, t) for r, t in flat], SLA_DICT, lo=0.0, hi=40.73, window=1.3)
     assert fit["rate"] is None and fit["line_crossing"] < 1.0
     assert "beyond 1.3x of the rates measured (40.7-51.6)" in fit["why"]
-    assert cap._fit_cell(fit).startswith("n/a (the line through the points reaches the limit at")
+    assert _fit_cell(fit).startswith("n/a (the line through the points reaches the limit at")
 
 
 def test_two_or_three_points_give_a_crossing_but_no_interval():
     # CI's small search, 2026-12-06: one point at 11.3 req/s (pass) and one at 16 (fail); every bootstrap resample
     # holding both is the same line, so the "interval" was 14.8-14.8
     two = [_pt(11.3, 11.6), _pt(16.0, 29.0)]
-    fit = cap.sla_crossing(two, SLA_DICT, lo=11.3, hi=16.0, window=1.3)
+    fit = sla_crossing(two, SLA_DICT, lo=11.3, hi=16.0, window=1.3)
     assert 11.3 < fit["rate"] < 16.0 and fit["ci90"] is None
-    assert cap._fit_cell(fit) == f"{fit['rate']:.3g} (no interval)"
+    assert _fit_cell(fit) == f"{fit['rate']:.3g} (no interval)"
     four = two + [_pt(12.0, 13.0), _pt(15.0, 25.0)]
-    assert cap.sla_crossing(four, SLA_DICT, lo=12.0, hi=15.0, window=1.3)["ci90"] is not None
+    assert sla_crossing(four, SLA_DICT, lo=12.0, hi=15.0, window=1.3)["ci90"] is not None
 
 
 def test_a_search_that_found_nothing_compares_as_minus_100_percent():
     search = _report("search", [{"context": 256, "max_rate": 0.0, "fail_rate": 1.0, "points": []}])
     sweep = _report("sweep", [{"context": 256, "max_rate": 4.0, "fail_rate": 5.0, "points": []}])
-    (row,) = cap.compare(search, sweep, 1.3)
+    (row,) = compare(search, sweep, 1.3)
     assert row["rel_diff"] == -1.0 and row["fit_rel_diff"] is None
-    assert cap.comparison_markdown([row])[-1].startswith("| 256 | 0 | 4 | -100.0 % | n/a (")
+    assert comparison_markdown([row])[-1].startswith("| 256 | 0 | 4 | -100.0 % | n/a (")

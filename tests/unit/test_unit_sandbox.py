@@ -12,7 +12,7 @@ import shutil
 import subprocess
 
 import pytest
-from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_unit
 from conftest import load_inventory
 
 PYTHON = "/opt/vllm/current/bin/python"
@@ -37,7 +37,7 @@ def _units():
         inv = load_inventory(name)
         for host, hv in inv["hosts"].items():
             for inst in hv["pd_instances"]:
-                unit = pd_recipe.render_unit(inv["recipe"], inst, PYTHON, "vllm",
+                unit = pd_unit.render_unit(inv["recipe"], inst, PYTHON, "vllm",
                                              vllm_package=inv["group_vars"]["pd_vllm_package"])
                 out.append(pytest.param(inv["recipe"], inst, unit, id=f"{name}/{host}/{inst['name']}"))
     return out
@@ -84,7 +84,7 @@ def test_exposure_check_can_fail(tmp_path):
     """The measurement is real: the same unit without its sandbox scores far above 2.5."""
     _, inst, unit = UNITS[0].values
     bare = "\n".join(x for x in unit.splitlines()
-                     if x.split("=", 1)[0] not in {d.split("=", 1)[0] for d in pd_recipe.UNIT_SANDBOX}
+                     if x.split("=", 1)[0] not in {d.split("=", 1)[0] for d in pd_unit.UNIT_SANDBOX}
                      and not x.startswith(("DeviceAllow=", "ReadWritePaths="))) + "\n"
     score, rc, _ = exposure(bare, tmp_path)
     assert score > MAX_EXPOSURE and rc != 0
@@ -120,8 +120,8 @@ def test_a_cache_moved_by_the_env_becomes_writable():
     inv = load_inventory("b300")
     recipe = dict(inv["recipe"], pd_vllm_env={**inv["recipe"]["pd_vllm_env"], "TRITON_CACHE_DIR": "/scratch/triton"})
     inst = dict(inv["hosts"]["b300-01"]["pd_instances"][0], extra_env={"HF_HOME": "/var/lib/vllm/shared/hf"})
-    assert pd_recipe.unit_writable_paths(recipe, inst) == ["/var/lib/vllm", "/dev/shm", "-/scratch/triton"]
-    unit = pd_recipe.render_unit(recipe, inst, PYTHON, "vllm")
+    assert pd_unit.unit_writable_paths(recipe, inst) == ["/var/lib/vllm", "/dev/shm", "-/scratch/triton"]
+    unit = pd_unit.render_unit(recipe, inst, PYTHON, "vllm")
     assert "ReadWritePaths=/var/lib/vllm /dev/shm -/scratch/triton" in unit.splitlines()
 
 
@@ -130,4 +130,4 @@ def test_a_cache_in_the_model_directory_is_refused(path):
     inv = load_inventory("b300")
     inst = dict(inv["hosts"]["b300-01"]["pd_instances"][0], extra_env={"VLLM_CACHE_ROOT": path})
     with pytest.raises(pd_recipe.RecipeError, match=r"field extra_env\.VLLM_CACHE_ROOT: .* model directory"):
-        pd_recipe.render_unit(inv["recipe"], inst, PYTHON, "vllm")
+        pd_unit.render_unit(inv["recipe"], inst, PYTHON, "vllm")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 
-from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_topology
+from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_topology, pd_unit
 from conftest import load_inventory, topology_input
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -156,7 +156,7 @@ def _directives(unit):
 
 
 # What the renderer writes for the valid inventory: an accepted hostile topology may not add to it.
-BASE_DIRECTIVES = [_directives(pd_recipe.render_unit(BASE["recipe"], i, PYTHON, USER))
+BASE_DIRECTIVES = [_directives(pd_unit.render_unit(BASE["recipe"], i, PYTHON, USER))
                    for hv in BASE_HOSTS.values() for i in hv["pd_instances"]]
 ALLOWED_COUNT = {d: max(ds.count(d) for ds in BASE_DIRECTIVES) for ds in BASE_DIRECTIVES for d in ds}
 
@@ -168,7 +168,7 @@ def _assert_rendered_safely(hosts, recipe):
         hv, inst = hosts[h], hosts[h]["pd_instances"][i]
         host_recipe = dict(recipe)
         host_recipe.update({k: v for k, v in (hv.get("recipe") or {}).items() if k in pd_recipe.RECIPE_KEYS})
-        unit = pd_recipe.render_unit(host_recipe, inst, PYTHON, USER)
+        unit = pd_unit.render_unit(host_recipe, inst, PYTHON, USER)
         env = pd_recipe.render_env_file(pd_recipe.build_env(host_recipe, inst, hv["ansible_host"]), inst)
         for text in (unit, env):
             assert pd_recipe.CONTROL_CHAR_RE.search(text.replace("\n", "")) is None, text

@@ -13,6 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from ansible_collections.b300.pd.plugins.module_utils import pd_vllm_argcheck
+from ansible_collections.b300.pd.plugins.module_utils.pd_vllm_plugins import plugin_digests
 from conftest import VLLM_VENV_PY, load_inventory, load_library, need_vllm_venv, run_module
 
 vllm_instance = load_library("vllm_instance")
@@ -20,20 +22,29 @@ vllm_instance = load_library("vllm_instance")
 GROUP = grp.getgrgid(os.getgid()).gr_name
 
 
+def harness_output(report):
+    """stdout of the vLLM parser harness (plugins/module_utils/pd_vllm_argcheck.py), vLLM's own lines around it."""
+    return "INFO noise\n" + pd_vllm_argcheck.RESULT_MARKER + json.dumps(report) + "\n"
+
+
 def ok_parser(calls):
     def fake(self, args, data=None, **kw):
         req = json.loads(data)
-        calls.append({"args": args, "argv": req["argvs"][0], **req})
-        res = {"ok": True, "results": [{"ok": True, "version": "0.32.0", "nixl": "0.7.1"} for _ in req["argvs"]]}
-        return 0, "INFO noise\nPD_VLLM_ARGCHECK " + json.dumps(res) + "\n", ""
+        calls.append({"args": args, "argv": req["instances"][0]["argv"], **req})
+        results = [{"instance": i["instance"], "problems": []} for i in req["instances"]]
+        return 0, harness_output({"ok": True, "version": "0.32.0", "nixl": "0.7.1", "results": results}), ""
     return fake
 
 
 def rejecting_parser(error, stage="parse"):
+    """The harness refusing an argv (stage parse: a problem line as it words them), or unable to parse at all."""
     def fake(self, args, data=None, **kw):
-        bad = {"ok": False, "stage": stage, "error": error, "version": "0.32.0"}
-        res = bad if stage in ("import", "entrypoint") else {"ok": True, "results": [bad]}
-        return 0, "PD_VLLM_ARGCHECK " + json.dumps(res) + "\n", ""
+        if stage in ("import", "entrypoint"):
+            return 0, harness_output({"ok": False, "stage": stage, "error": error}), ""
+        results = [{"instance": i["instance"],
+                    "problems": [f"{pd_vllm_argcheck.where(i)}: vLLM's serve parser rejects it: {error}"]}
+                   for i in json.loads(data)["instances"]]
+        return 0, harness_output({"ok": True, "version": "0.32.0", "results": results}), ""
     return fake
 
 
@@ -78,6 +89,9 @@ def test_first_run_writes_then_second_run_is_unchanged(env, monkeypatch):
     # the parser saw exactly the argv the unit runs
     assert calls[0]["argv"] == res["argv"]
     assert calls[0]["args"][-3] == env["args"]["validate_python"]
+    # one harness: deploy runs the code validate.yml runs (pd_vllm_argv_check), with this instance's pool
+    assert calls[0]["args"][-2:] == ["-c", pd_vllm_argcheck.harness_source()]
+    assert calls[0]["instances"] == [{"instance": "prefill-0", "pool": "prefill", "argv": res["argv"]}]
     assert unit_file(env).read_text().count("--port 8100") == 1
     mode = stat.S_IMODE(os.stat(env_file(env)).st_mode)
     assert mode == 0o640
@@ -330,8 +344,20 @@ def test_real_parser_rejects_typo_flag_end_to_end(real_env, monkeypatch):
     assert not unit_file(real_env).exists() and not env_file(real_env).exists()
 
 
+def test_real_parser_refuses_an_abbreviated_flag_at_deploy_as_validate_does(real_env, monkeypatch):
+    """argparse (allow_abbrev) would read --max-model as --max-model-len and vLLM would start with it; validate.yml's
+    pd_vllm_argv_check refuses the abbreviation, and so must the deploy-time check, which runs the same harness."""
+    args = dict(real_env["args"])
+    args["instance"] = dict(args["instance"], extra_flags={"max-model": 2048})
+    res, failed = run_module(vllm_instance.main, args, run_command=real_run_command, monkeypatch=monkeypatch)
+    assert failed, res
+    assert "instance prefill-0, flag --max-model: not an option of `vllm serve`" in res["msg"], res["msg"]
+    assert "silently read it as --max-model-len" in res["msg"] and "rejects the flags" in res["msg"]
+    assert not unit_file(real_env).exists() and not env_file(real_env).exists()
+
+
 class _Module:
-    """Just what run_argcheck needs, with the real subprocess."""
+    """Just what pd_vllm_argcheck.run_check needs, with the real subprocess."""
 
     def get_bin_path(self, name):
         return None
@@ -339,10 +365,11 @@ class _Module:
     run_command = real_run_command
 
 
-def _argvs(inventory):
+def _items(inventory):
+    """{name: the harness's input for that instance}, as vllm_instance sends it."""
     from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
     inv = load_inventory(inventory)
-    return {i["name"]: pd_recipe.build_argv(inv["recipe"], i)
+    return {i["name"]: {"instance": i["name"], "pool": i["pool"], "argv": pd_recipe.build_argv(inv["recipe"], i)}
             for hv in inv["hosts"].values() for i in hv["pd_instances"]}
 
 
@@ -355,39 +382,42 @@ def _without(argv, flag):
 def batch():
     """One vLLM process parses every case (importing vLLM takes ~15 s of CPU, a minute on a busy machine)."""
     need_vllm_venv()
-    local = _argvs("local")
+    local = _items("local")
     base = local["prefill-0"]
     cases = {f"local:{k}": v for k, v in local.items()}
     # b300's GPU flags too: the CUDA build of the same release shares this parser.
-    cases.update({f"b300:{k}": v for k, v in _argvs("b300").items()})
-    cases["typo"] = [*base, "--max-num-seqz", "4"]
-    cases["bad-json:speculative-config"] = [*base, "--speculative-config", "{method: mtp"]
-    cases["bad-json:compilation-config"] = [*base, "--compilation-config", '{"cudagraph_mode": FULL}']
-    cases["bad-json:kv-transfer-config"] = [*_without(base, "--kv-transfer-config"),
-                                            "--kv-transfer-config", "{kv_connector: Nixl"]
-    results, problem = vllm_instance.run_argcheck(_Module(), str(VLLM_VENV_PY), list(cases.values()), timeout=900)
-    assert problem is None, problem
-    return dict(zip(cases, results, strict=True))
+    cases.update({f"b300:{k}": v for k, v in _items("b300").items()})
+    argv = base["argv"]
+    cases["typo"] = dict(base, argv=[*argv, "--max-num-seqz", "4"])
+    cases["bad-json:speculative-config"] = dict(base, argv=[*argv, "--speculative-config", "{method: mtp"])
+    cases["bad-json:compilation-config"] = dict(base, argv=[*argv, "--compilation-config", '{"cudagraph_mode": FULL}'])
+    cases["bad-json:kv-transfer-config"] = dict(base, argv=[*_without(argv, "--kv-transfer-config"),
+                                                            "--kv-transfer-config", "{kv_connector: Nixl"])
+    report, rc, output = pd_vllm_argcheck.run_check(_Module(), str(VLLM_VENV_PY), list(cases.values()),
+                                                    subcommand="serve", timeout=900)
+    assert report is not None and report["ok"], (rc, output, report)
+    return dict(zip(cases, report["results"], strict=True))
 
 
 @pytest.mark.parametrize("name", ["prefill-0", "prefill-1", "decode-0"])
 def test_real_parser_accepts_every_local_instance(batch, name):
-    assert batch[f"local:{name}"]["ok"], batch[f"local:{name}"]
+    assert batch[f"local:{name}"]["problems"] == [], batch[f"local:{name}"]
 
 
 @pytest.mark.parametrize("name", ["prefill-a", "prefill-b", "prefill-c", "prefill-d", "decode-a"])
 def test_real_parser_accepts_every_b300_instance(batch, name):
-    assert batch[f"b300:{name}"]["ok"], batch[f"b300:{name}"]
+    assert batch[f"b300:{name}"]["problems"] == [], batch[f"b300:{name}"]
 
 
 def test_real_parser_rejects_typo(batch):
-    assert not batch["typo"]["ok"] and "--max-num-seqz" in batch["typo"]["error"]
+    problems = batch["typo"]["problems"]
+    assert problems and "--max-num-seqz" in " ".join(problems), problems
 
 
 @pytest.mark.parametrize("flag", ["speculative-config", "compilation-config", "kv-transfer-config"])
 def test_real_parser_rejects_bad_json(batch, flag):
     r = batch[f"bad-json:{flag}"]
-    assert not r["ok"] and f"--{flag}" in r["error"], r
+    assert r["problems"] and f"--{flag}" in " ".join(r["problems"]), r
 
 
 @pytest.fixture
@@ -533,4 +563,4 @@ def test_a_change_of_plugin_code_changes_the_record_and_owes_a_restart(env, monk
     assert res["running_record"]["plugins"] == first  # what runs until the restart
     # a plugin whose module is gone says so (vLLM would fail to load it)
     (site / "pd_shm_notify.py").unlink()
-    assert vllm_instance.plugin_digests(str(venv)) == {"pd_shm_notify": "missing"}
+    assert plugin_digests(str(venv)) == {"pd_shm_notify": "missing"}

@@ -147,8 +147,9 @@ def parse_prometheus(text):
     return out
 
 
-def metric_sum(samples, name, **label_filter):
-    """Sum of samples named ``name`` whose labels match ``label_filter``; None if no such sample."""
+def metric_sum(samples, name, /, **label_filter):
+    """Sum of samples named ``name`` whose labels match ``label_filter``; None if no such sample. (Positional-only:
+    a label may itself be called ``name`` or ``samples``.)"""
     vals = [v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in label_filter.items())]
     return sum(vals) if vals else None
 
@@ -165,6 +166,7 @@ _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo l
 
 
 def word_prompt(n_words, seed):
+    """n_words random words (about 1.0-1.3 tokens each), reproducible from seed."""
     rng = random.Random(seed)  # noqa: S311 - reproducible filler text, not crypto
     return " ".join(rng.choice(_WORDS) for _ in range(max(1, n_words)))
 
@@ -443,6 +445,14 @@ def step_kv_transfer(cfg, prompts):
             "totals": tot, "transferred_fraction": frac, "errors": errors}
 
 
+def percentile(values, p):
+    """Nearest-rank percentile (the smallest value with at least p % of the values <= it); None if empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(p / 100.0 * len(s)) - 1))]
+
+
 def summarize_bench(records, duration_s, ttft_slo_ms, tpot_slo_ms):
     """vllm bench serve's definitions: TTFT; TPOT = (e2e - ttft) / (output_tokens - 1); goodput = req/s meeting both."""
     ok = [r for r in records if "error" not in r]
@@ -451,21 +461,15 @@ def summarize_bench(records, duration_s, ttft_slo_ms, tpot_slo_ms):
     good = [r for r in ok if r["ttft_s"] * 1000 <= ttft_slo_ms and
             (r["output_tokens"] <= 1 or (r["e2e_s"] - r["ttft_s"]) * 1000 / (r["output_tokens"] - 1) <= tpot_slo_ms)]
 
-    def pct(v, p):
-        if not v:
-            return None
-        s = sorted(v)
-        return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
-
     out_tokens = sum(r["output_tokens"] for r in ok)
     return {
         "completed": len(ok), "failed": len(records) - len(ok), "duration_s": round(duration_s, 3),
         "mean_ttft_ms": round(statistics.fmean(ttfts), 3) if ttfts else None,
         "median_ttft_ms": round(statistics.median(ttfts), 3) if ttfts else None,
-        "p99_ttft_ms": round(pct(ttfts, 99), 3) if ttfts else None,
+        "p99_ttft_ms": round(percentile(ttfts, 99), 3) if ttfts else None,
         "mean_tpot_ms": round(statistics.fmean(tpots), 3) if tpots else None,
         "median_tpot_ms": round(statistics.median(tpots), 3) if tpots else None,
-        "p99_tpot_ms": round(pct(tpots, 99), 3) if tpots else None,
+        "p99_tpot_ms": round(percentile(tpots, 99), 3) if tpots else None,
         "output_throughput_tok_s": round(out_tokens / duration_s, 3) if duration_s > 0 else None,
         "request_throughput_req_s": round(len(ok) / duration_s, 4) if duration_s > 0 else None,
         "goodput_req_s": round(len(good) / duration_s, 4) if duration_s > 0 else None,

@@ -1,0 +1,232 @@
+# Copyright: b300-pd contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The cluster view: every address, URL and port set the roles, verify, bench and tests use, composed here once.
+
+view_inputs(groups, hostvars, defaults) turns raw inventory data into cluster_view's input; cluster_view() composes
+the view of a topology that pd_topology.validate_topology() accepted. playbooks/validate.yml publishes it as
+pd_cluster (plugins/action/pd_topology.py gathers the inventory data), bench/pd_cluster.py loads the same.
+"""
+
+from __future__ import annotations
+
+from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import POOLS
+from ansible_collections.b300.pd.plugins.module_utils.pd_topology_values import (
+    MIN_UNPRIVILEGED_PORT,
+    as_port,
+    is_int,
+    short,
+)
+
+# The inventory vars the view reads, per host (hostvars) and, where a host does not set them, from the role that
+# owns them (defaults/main.yml): var -> role.
+VIEW_VARS = {
+    "ansible_host": None,
+    "pd_instances": None,
+    "pd_firewall_host_addresses": None,
+    "pd_router_port": "pd_router",
+    "pd_router_units": "pd_router",
+    "pd_router_bind_host": "pd_router",
+    "pd_frontdoor_metrics_port": "pd_frontdoor",
+    "observability_prometheus_port": "observability",
+    "observability_alertmanager_enabled": "observability",
+    "observability_alertmanager_port": "observability",
+    "observability_alertmanager_listen_address": "observability",
+    "observability_dcgm_exporter_port": "observability",
+    "node_exporter_port": "node_exporter",
+}
+ROUTER_UNIT_MODES = ("pd", "colocated")
+_LOOPBACK_PREFIXES = ("127.", "localhost", "::1")
+
+
+class TopologyError(ValueError):
+    """The router / monitoring input of the cluster view is unusable; one line per problem."""
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def _truthy(value):
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "yes", "on", "1")
+    return bool(value)
+
+
+def _url(address, port):
+    host = f"[{address}]" if ":" in str(address) else address
+    return f"http://{host}:{port}"
+
+
+def _alertmanager_api(mon):
+    """The Alertmanager API as its own host reaches it ({host, url}; None where none is deployed): the role's default
+    listener is loopback only (observability_alertmanager_listen_address), so callers run there (delegate_to host);
+    a wildcard listener answers on loopback too."""
+    if not mon or mon.get("alertmanager_port") is None:
+        return None
+    listen = str(mon.get("alertmanager_listen_address") or "")
+    local = listen in ("", "0.0.0.0", "::") or listen.startswith(_LOOPBACK_PREFIXES)  # noqa: S104 (a comparison: a wildcard listener)
+    return {"host": mon["host"], "url": _url("127.0.0.1" if local else listen, as_port(mon["alertmanager_port"]))}
+
+
+def view_inputs(groups, hostvars, defaults):
+    """The view's input from raw inventory data: groups (name -> hosts, inventory order), hostvars (host -> the
+    VIEW_VARS it sets) and defaults (role -> its defaults/main.yml). Returns (hosts, routers, monitoring, peers):
+    hosts is validate_topology's input (vLLM hosts), the others as cluster_view takes them."""
+    groups = groups or {}
+    hostvars = hostvars or {}
+
+    def var(host, name):
+        hv = hostvars.get(host) or {}
+        if name in hv and hv[name] is not None:
+            return hv[name]
+        role = VIEW_VARS.get(name)
+        return ((defaults or {}).get(role) or {}).get(name) if role else None
+
+    def address(host):
+        return var(host, "ansible_host") or host
+
+    hosts = {h: {"ansible_host": var(h, "ansible_host"), "pd_instances": var(h, "pd_instances"),
+                 "node_exporter_port": var(h, "node_exporter_port")}
+             for h in groups.get("vllm_hosts") or []}
+    routers = [{"host": h, "address": address(h), "client_port": var(h, "pd_router_port"),
+                "bind_host": var(h, "pd_router_bind_host"), "units": var(h, "pd_router_units"),
+                "frontdoor_metrics_port": var(h, "pd_frontdoor_metrics_port"),
+                "node_exporter_port": var(h, "node_exporter_port")}
+               for h in groups.get("router_hosts") or []]
+    monitoring = [{"host": h, "address": address(h), "prometheus_port": var(h, "observability_prometheus_port"),
+                   "alertmanager_port": (var(h, "observability_alertmanager_port")
+                                         if _truthy(var(h, "observability_alertmanager_enabled")) else None),
+                   "alertmanager_listen_address": var(h, "observability_alertmanager_listen_address"),
+                   "dcgm_exporter_port": var(h, "observability_dcgm_exporter_port")}
+                  for h in groups.get("monitoring_hosts") or []]
+    # Every inventory host's ansible_host (a host without one adds none) and its pd_firewall_host_addresses.
+    peers = []
+    for h in groups.get("all") or []:
+        if var(h, "ansible_host") is not None:
+            peers.append(var(h, "ansible_host"))
+        peers += list(var(h, "pd_firewall_host_addresses") or [])
+    return hosts, routers, monitoring, peers
+
+
+def _check_router(problems, router):
+    host = router.get("host")
+    where = f"router host {host}"
+    units = router.get("units")
+    if not isinstance(units, list) or not units:
+        problems.append(f"{where}, field pd_router_units: missing or empty; list its router units (group_vars/all/"
+                        "router.yml, see roles/pd_router/defaults/main.yml)")
+        return
+    for idx, unit in enumerate(units):
+        if not isinstance(unit, dict):
+            problems.append(f"{where}, field pd_router_units[{idx}]: {short(unit)} is not a mapping of name, mode, "
+                            "port, metrics_port")
+            continue
+        if not isinstance(unit.get("name"), str) or not unit.get("name"):
+            problems.append(f"{where}, field pd_router_units[{idx}].name: missing; name the unit (vllm-router...)")
+        if unit.get("mode") not in ROUTER_UNIT_MODES:
+            problems.append(f"{where}, field pd_router_units[{idx}].mode: {short(unit.get('mode'))} is not a mode; "
+                            "use pd or colocated")
+        for field in ("port", "metrics_port"):
+            port = as_port(unit.get(field))
+            if not is_int(port) or not MIN_UNPRIVILEGED_PORT <= port <= 65535:
+                # the router units run as an unprivileged user without capabilities: no port below 1024
+                problems.append(f"{where}, field pd_router_units[{idx}].{field}: {short(unit.get(field))} is not a "
+                                "port the unprivileged router can listen on; use an integer in 1024..65535")
+    if not any(isinstance(u, dict) and u.get("mode") == "pd" for u in units):
+        problems.append(f"{where}, field pd_router_units: no unit with mode: pd; a router host needs a P/D router")
+    for field in ("client_port", "frontdoor_metrics_port"):
+        port = as_port(router.get(field))
+        if not is_int(port) or not 1 <= port <= 65535:
+            # nginx binds as root: a front door on 443 is fine
+            name = "pd_router_port" if field == "client_port" else "pd_frontdoor_metrics_port"
+            problems.append(f"{where}, field {name}: {short(router.get(field))} is not a TCP port; use an integer "
+                            "in 1..65535")
+
+
+def cluster_view(hosts, routers=(), monitoring=(), peers=()):
+    """The normalized cluster view (JSON-able) of a topology that validate_topology() accepted.
+
+    hosts: validate_topology's vLLM hosts (host -> {ansible_host, pd_instances, node_exporter_port}), inventory
+    order. routers: [{host, address, client_port, bind_host, units, frontdoor_metrics_port, node_exporter_port}].
+    monitoring: [{host, address, prometheus_port, alertmanager_port (None: not deployed),
+    alertmanager_listen_address, dcgm_exporter_port}].
+    peers: the addresses every host's firewall admits as cluster peers. view_inputs() builds all four from the
+    inventory. Raises TopologyError when the router input is unusable.
+    """
+    problems = []
+    for router in routers:
+        _check_router(problems, router)
+    if problems:
+        raise TopologyError(problems)
+
+    instances, pools = [], {p: [] for p in POOLS}
+    firewall = {}
+    for host, hv in hosts.items():
+        address = hv.get("ansible_host") or host
+        ports = []
+        for inst in hv.get("pd_instances") or []:
+            dp = inst.get("dp_size") or 1
+            side = [inst["nixl_side_channel_port"] + r for r in range(dp)]
+            entry = {"name": inst["name"], "host": host, "address": address, "pool": inst["pool"],
+                     "http_port": inst["http_port"], "url": _url(address, inst["http_port"]),
+                     "nixl_side_channel_port": inst["nixl_side_channel_port"], "nixl_side_channel_ports": side,
+                     "dp_rpc_port": inst.get("dp_rpc_port")}
+            instances.append(entry)
+            pools[inst["pool"]].append(inst["name"])
+            ports += [inst["http_port"], *side] + ([inst["dp_rpc_port"]] if inst.get("dp_rpc_port") is not None
+                                                   else [])
+        firewall[host] = {"instance_ports": sorted(set(ports)), "router_ports": [], "client_ports": []}
+
+    view_routers, pd_router_urls = [], []
+    for idx, r in enumerate(routers):
+        units = [{"name": u["name"], "mode": u["mode"], "port": as_port(u["port"]),
+                  "metrics_port": as_port(u["metrics_port"]), "url": _url(r["address"], as_port(u["port"]))}
+                 for u in r["units"]]
+        client_port = as_port(r["client_port"])
+        view_routers.append({"host": r["host"], "address": r["address"], "client_port": client_port,
+                             "url": _url(r["address"], client_port), "bind_host": r.get("bind_host"),
+                             "frontdoor_metrics_port": as_port(r["frontdoor_metrics_port"]), "units": units})
+        # The P/D router units as the first router host reaches them (its own on loopback): pd_rollout's registry
+        # tool runs there and drains every P/D router.
+        pd_router_urls += [_url("127.0.0.1" if idx == 0 else r["address"], u["port"])
+                           for u in units if u["mode"] == "pd"]
+        fw = firewall.setdefault(r["host"], {"instance_ports": [], "router_ports": [], "client_ports": []})
+        fw["router_ports"] = sorted({as_port(r["frontdoor_metrics_port"])} | {u["port"] for u in units}
+                                    | {u["metrics_port"] for u in units})
+        fw["client_ports"] = [client_port]
+    for m in monitoring:
+        firewall.setdefault(m["host"], {"instance_ports": [], "router_ports": [], "client_ports": []})
+
+    node_hosts = list(hosts) + [r["host"] for r in routers if r["host"] not in hosts]
+    node_port = {h: hv.get("node_exporter_port") for h, hv in hosts.items()}
+    for r in routers:
+        node_port.setdefault(r["host"], r.get("node_exporter_port"))
+    address_of = {h: (hv.get("ansible_host") or h) for h, hv in hosts.items()}
+    for r in routers:
+        address_of.setdefault(r["host"], r["address"])
+    dcgm_port = as_port(monitoring[0].get("dcgm_exporter_port")) if monitoring else None
+    targets = {
+        "vllm": [{"target": f"{i['address']}:{i['http_port']}",
+                  "labels": {"pool": i["pool"], "instance_name": i["name"], "host": i["host"]}} for i in instances],
+        "pd-router": [{"target": f"{r['address']}:{u['metrics_port']}",
+                       "labels": {"host": r["host"], "router_unit": u["name"], "router_mode": u["mode"]}}
+                      for r in view_routers for u in r["units"]],
+        "pd-frontdoor": [{"target": f"{r['address']}:{r['frontdoor_metrics_port']}", "labels": {"host": r["host"]}}
+                         for r in view_routers],
+        "node": [{"target": f"{address_of[h]}:{as_port(node_port[h])}",
+                  "labels": {"host": h, "vllm_host": "true" if hosts.get(h, {}).get("pd_instances") else "false"}}
+                 for h in node_hosts],
+        "dcgm": [{"target": f"{address_of[h]}:{dcgm_port}", "labels": {"host": h}} for h in hosts],
+    }
+    first_mon = monitoring[0] if monitoring else None
+    return {
+        "instances": instances,
+        "pools": pools,
+        "routers": view_routers,
+        "router_url": view_routers[0]["url"] if view_routers else None,
+        "pd_router_urls": pd_router_urls,
+        "prometheus_url": _url(first_mon["address"], as_port(first_mon["prometheus_port"])) if first_mon else None,
+        "alertmanager": _alertmanager_api(first_mon),
+        "prometheus_targets": targets,
+        "firewall": {"peers": sorted({str(p).strip() for p in peers}), "hosts": firewall},
+    }
