@@ -13,8 +13,8 @@ import shlex
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_unit
-from conftest import ROOT, load_inventory
-from systemd_exec import exec_start_argv
+from ansible_collections.b300.pd.tests.unit.pd_testlib import ROOT, load_inventory
+from ansible_collections.b300.pd.tests.unit.systemd_exec import exec_start_argv
 
 SEED = ROOT / "tests" / "fixtures" / "seed"
 SHORT = {"-ep": "--enable-expert-parallel", "-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size"}

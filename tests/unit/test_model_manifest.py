@@ -17,7 +17,7 @@ from ansible_collections.b300.pd.plugins.module_utils.model_disk_space import fr
 from ansible_collections.b300.pd.plugins.module_utils.model_errors import ManifestError
 from ansible_collections.b300.pd.plugins.module_utils.model_fetchers import PathFetcher, RsyncFetcher
 from ansible_collections.b300.pd.plugins.module_utils.model_hashing import DEFAULT_BUFSIZE
-from conftest import ROOT
+from ansible_collections.b300.pd.tests.unit.pd_testlib import ROOT
 
 CLI = ROOT / "scripts" / "model-manifest"
 

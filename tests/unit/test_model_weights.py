@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
 from ansible_collections.b300.pd.plugins.module_utils.model_disk_space import human_bytes
-from conftest import ROOT, load_library, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import ROOT, load_library, run_module
 
 model_weights = load_library("model_weights")
 

@@ -12,7 +12,7 @@ from ansible_collections.b300.pd.plugins.module_utils import model_manifest as m
 from ansible_collections.b300.pd.plugins.module_utils.model_errors import UnsafePathError
 from ansible_collections.b300.pd.plugins.module_utils.model_fetchers import PathFetcher
 from ansible_collections.b300.pd.plugins.module_utils.model_nofollow import open_dir_beneath
-from test_model_weights import Server, args_for, make_model, make_tls_cert, run
+from ansible_collections.b300.pd.tests.unit.test_model_weights import Server, args_for, make_model, make_tls_cert, run
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 REPO = "zai-org/GLM-5.2-NVFP4"

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from ansible.module_utils import basic
 from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
-from conftest import ROOT
-from test_model_weights import args_for, make_model, run, tree
+from ansible_collections.b300.pd.tests.unit.pd_testlib import ROOT
+from ansible_collections.b300.pd.tests.unit.test_model_weights import args_for, make_model, run, tree
 
 MODEL_SRC = ROOT / ".cache" / "model-src"
 

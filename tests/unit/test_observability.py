@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_prometheus_rules import (
+from ansible_collections.b300.pd.tests.unit.test_prometheus_rules import (
     PROMTOOL,
     ROOT,
     load_inventory_full,

@@ -21,7 +21,7 @@ import jinja2
 import pytest
 import yaml
 from ansible_collections.b300.pd.plugins.module_utils import pd_async
-from conftest import ROOT, load_library, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import ROOT, load_library, run_module
 
 mod = load_library("pd_async_job")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_pd_firewall import render
+from ansible_collections.b300.pd.tests.unit.test_pd_firewall import render
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER = {"v4": "192.0.2.12", "v6": "2001:db8::12"}

@@ -8,7 +8,7 @@ import http.server
 import threading
 
 import pytest
-from conftest import load_library, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_library, run_module
 
 ready = load_library("pd_instance_ready")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import load_library, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_library, run_module
 
 state = load_library("pd_instance_state")
 

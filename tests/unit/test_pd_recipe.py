@@ -9,7 +9,7 @@ import re
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import pd_recipe as r
 from ansible_collections.b300.pd.plugins.module_utils import pd_unit
-from systemd_exec import exec_start_argv, systemd_split
+from ansible_collections.b300.pd.tests.unit.systemd_exec import exec_start_argv, systemd_split
 
 PY = "/opt/vllm/current/bin/python"
 
@@ -264,7 +264,7 @@ def test_systemd_accepts_rendered_units(tmp_path, inventory):
     import subprocess
     import sys
 
-    from conftest import load_inventory
+    from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory
 
     exe = shutil.which("systemd-analyze")
     if not exe:

@@ -15,7 +15,7 @@ import pytest
 from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import build_argv  # noqa: E402
 from ansible_collections.b300.pd.plugins.module_utils.pd_record import compat_key  # noqa: E402
 from ansible_collections.b300.pd.plugins.plugin_utils import pd_rollout as ro
-from conftest import load_inventory  # noqa: E402
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 from ansible_collections.b300.pd.bench.pd_cluster import load as load_cluster  # noqa: E402

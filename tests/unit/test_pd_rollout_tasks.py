@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_pd_router_workers import QuietJSONHandler, call, router  # noqa: E402
+from ansible_collections.b300.pd.tests.unit.test_pd_router_workers import QuietJSONHandler, call, router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 from ansible_collections.b300.pd.bench.pd_cluster import view_from  # noqa: E402

@@ -31,7 +31,7 @@ ROUTER_PY = ROUTER_VENV / "bin" / "python"
 ANY = "0.0.0.0"  # noqa: S104 - the router's bind address in the inventories, compared not bound here
 
 from ansible_collections.b300.pd.bench.pd_cluster import load as load_cluster  # noqa: E402
-from conftest import load_inventory  # noqa: E402
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory  # noqa: E402
 
 DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
 

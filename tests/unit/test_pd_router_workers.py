@@ -30,7 +30,7 @@ TOOL = ROLE / "files" / "pd_router_workers.py"
 from ansible_collections.b300.pd.bench.pd_cluster import load as load_cluster  # noqa: E402
 from ansible_collections.b300.pd.plugins.plugin_utils import pd_router as pdr  # noqa: E402
 from ansible_collections.b300.pd.roles.pd_router.files import pd_router_workers as prw  # noqa: E402
-from conftest import load_inventory  # noqa: E402
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory  # noqa: E402
 
 DEFAULTS = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
 

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import pd_topology
-from conftest import load_inventory, load_library, run_module, topology_input
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory, load_library, run_module, topology_input
 
 
 def base():

@@ -21,7 +21,13 @@ from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_inputs import (
 )
 from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import VIEW_VARS
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_role_defaults import role_defaults
-from conftest import ROOT, load_inventory, load_library, run_module, topology_input
+from ansible_collections.b300.pd.tests.unit.pd_testlib import (
+    ROOT,
+    load_inventory,
+    load_library,
+    run_module,
+    topology_input,
+)
 
 INJECTION = "GLM\n[Service]\nExecStartPre=/bin/sh -c 'touch /tmp/pwned'"
 

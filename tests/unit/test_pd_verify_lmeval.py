@@ -20,7 +20,7 @@ import yaml
 from ansible_collections.b300.pd.plugins.modules import pd_verify_lmeval as lm
 from ansible_collections.b300.pd.roles.pd_verify.files import pd_verify as pv
 from ansible_collections.b300.pd.roles.pd_verify.files.lm_eval_tasks import pd_scoring as scoring
-from conftest import load_inventory, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory, run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "pd_verify"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import gpu_facts as gf
 from ansible_collections.b300.pd.plugins.module_utils import pd_unit
-from conftest import load_library, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_library, run_module
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
 B300_XML = (FIX / "b300-constructed" / "nvidia-smi-q-x.CONSTRUCTED.xml").read_text()

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import pd_recipe
-from conftest import ROOT, VLLM_VENV_PY, load_inventory, load_library, need_vllm_venv, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import (
+    ROOT,
+    VLLM_VENV_PY,
+    load_inventory,
+    load_library,
+    need_vllm_venv,
+    run_module,
+)
 
 vllm_instance = load_library("vllm_instance")
 

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_unit
-from conftest import load_inventory
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory
 
 PYTHON = "/opt/vllm/current/bin/python"
 MAX_EXPOSURE = 2.5

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 
 from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_topology, pd_unit
-from conftest import load_inventory, topology_input
+from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory, topology_input
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

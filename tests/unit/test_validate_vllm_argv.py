@@ -17,7 +17,13 @@ import pytest
 import yaml
 from ansible.module_utils import basic
 from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import RECIPE_KEYS
-from conftest import ROOT, VLLM_VENV_PY, load_library, need_vllm_venv, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import (
+    ROOT,
+    VLLM_VENV_PY,
+    load_library,
+    need_vllm_venv,
+    run_module,
+)
 
 MODULE = load_library("pd_vllm_argv_check")
 SERVERS = 12
@@ -212,9 +218,10 @@ def test_another_vllm_release_is_refused_before_importing_it(monkeypatch, parser
 
 def _playbook(inv: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    # The copied inventory lives outside the clone: its control node's caches (the vLLM venv) are the clone's.
     return subprocess.run(  # noqa: S603 - the repo's own ansible-playbook
         [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv), str(ROOT / "playbooks" / "validate.yml"),
-         *extra],
+         "-e", f"pd_control_dir={ROOT}", *extra],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900, check=False,
     )
 

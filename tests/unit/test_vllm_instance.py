@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 from ansible_collections.b300.pd.plugins.module_utils import pd_vllm_argcheck
 from ansible_collections.b300.pd.plugins.module_utils.pd_vllm_plugins import plugin_digests
-from conftest import VLLM_VENV_PY, load_inventory, load_library, need_vllm_venv, run_module
+from ansible_collections.b300.pd.tests.unit.pd_testlib import (
+    VLLM_VENV_PY,
+    load_inventory,
+    load_library,
+    need_vllm_venv,
+    run_module,
+)
 
 vllm_instance = load_library("vllm_instance")
 
