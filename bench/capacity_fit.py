@@ -25,8 +25,8 @@ def sla_ratio(point: dict, sla: dict) -> float | None:
 def loglog_crossing(pairs: list[tuple[float, float]]) -> float | None:
     """The rate where a least-squares line through (log rate, log SLA ratio) reaches ratio 1; None when the points
     have one rate only or the line does not rise with the rate (noise larger than the trend)."""
-    xs = [math.log(rate) for rate, _ in pairs]
-    ys = [math.log(ratio) for _, ratio in pairs]
+    xs = [math.log(rate) for rate, _ratio in pairs]
+    ys = [math.log(ratio) for _rate, ratio in pairs]
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mean_x) ** 2 for x in xs)
     if sxx <= 0:
@@ -52,13 +52,13 @@ def sla_crossing(points: list[dict], sla: dict, lo: float, hi: float | None, win
     low_end = (lo if lo and lo > 0 else hi) / window
     pairs = [(p["rate"], r) for p in points
              if low_end <= p["rate"] <= hi * window and (r := sla_ratio(p, sla)) is not None and r > 0]
-    if len({rate for rate, _ in pairs}) < 2:
+    if len({rate for rate, _ratio in pairs}) < 2:
         return {"rate": None, "why": f"fewer than 2 measured rates within {window:g}x of the bracket"}
     est = loglog_crossing(pairs)
     if est is None:
         return {"rate": None, "why": "the SLA ratio does not rise with the rate near the knee (noise)",
                 "points": len(pairs)}
-    rates = [rate for rate, _ in pairs]
+    rates = [rate for rate, _ratio in pairs]
     if not min(rates) / window <= est <= max(rates) * window:
         # a nearly flat line reaches the limit anywhere (2026-12-06: a sweep whose every rate from 40.7 to 54.3 req/s
         # failed, medians 17.6-36.8 ms without a trend, "crossed" at 0.002 req/s): no estimate, only a bound
@@ -66,7 +66,8 @@ def sla_crossing(points: list[dict], sla: dict, lo: float, hi: float | None, win
                 "why": f"the line through the points reaches the limit at {est:.3g} req/s, beyond {window:g}x of the "
                        f"rates measured ({min(rates):.3g}-{max(rates):.3g}): no trend near the knee"}
     rng = random.Random(0)  # noqa: S311 - a bootstrap, not a secret; seeded so a re-render shows the same interval
-    resampled = sorted(e for e in (loglog_crossing([rng.choice(pairs) for _ in pairs]) for _ in range(FIT_BOOTSTRAP))
+    resampled = sorted(e for e in (loglog_crossing([rng.choice(pairs) for _pair in pairs])
+                                   for _round in range(FIT_BOOTSTRAP))
                        if e is not None)
     # a bootstrap of 2 or 3 points says nothing (2 points: every resample with both rates is the same line, an
     # interval of width 0): no interval below FIT_MIN_POINTS

@@ -167,7 +167,7 @@ def plot_report(rep: dict, out_dir: Path) -> list[str]:
             pts = [(r["rate"], r[key], r["passed"]) for r in rate_summary(c["points"], repeats) if r[key] is not None]
             if not pts:
                 continue
-            xs, ys, _ = zip(*pts, strict=True)
+            xs, ys, _passed = zip(*pts, strict=True)
             line, = ax.plot(xs, ys, marker="o", label=f"{c['context']} tokens"
                             + (" (median of repeats)" if repeats > 1 else ""))
             singles = [(p["rate"], p[key]) for p in c["points"] if p[key] is not None]

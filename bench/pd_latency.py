@@ -68,9 +68,9 @@ def instance_url(stack: Stack, inst: dict) -> str:
 def calibrated_prompt(stack: Stack, tokenize_url: str, tokens: int, seed: int) -> str:
     """A prompt of about `tokens` tokens (the instance's own tokenizer), starting with a word unique to seed."""
     words = max(1, int(tokens / 1.3))
-    for _ in range(6):
+    for _attempt in range(6):
         text = f"w{seed} " + word_prompt(words, seed)
-        _, out = post(tokenize_url, {"model": stack.model, "prompt": text}, 60)
+        _secs, out = post(tokenize_url, {"model": stack.model, "prompt": text}, 60)
         got = int(out["count"])
         if abs(got - tokens) <= max(4, tokens // 50):
             return text
@@ -105,11 +105,11 @@ def idle_cpu(stack: Stack, window: float) -> dict:
 
     def sample() -> tuple[dict, float]:
         got = {}
-        for host in sorted({h for h, _ in units}):
+        for host in sorted({h for h, _unit in units}):
             names = [u for h, u in units if h == host]
             out = stack.run(host, f"python3 -c {script} " + " ".join(names))
             for line in out.replace("\\n", "\n").splitlines():
-                unit, _, secs = line.strip().partition(" ")
+                unit, _sep, secs = line.strip().partition(" ")
                 if (host, unit) in units:
                     got[(host, unit)] = float(secs)
         return got, time.monotonic()
@@ -128,17 +128,17 @@ def one_round(stack: Stack, urls: dict, prompts: dict, max_tokens: int, timeout:
     for path in ("colocated", "pd", "split"):
         try:
             if path == "colocated":
-                res[path], _ = post(urls["decode"] + "/v1/completions", {**base, "prompt": prompts[path]}, timeout)
+                res[path], _body = post(urls["decode"] + "/v1/completions", {**base, "prompt": prompts[path]}, timeout)
             elif path == "pd":
-                res[path], _ = post(urls["router"] + "/v1/completions", {**base, "prompt": prompts[path]}, timeout)
+                res[path], _body = post(urls["router"] + "/v1/completions", {**base, "prompt": prompts[path]}, timeout)
             else:
                 kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
                 t_p, out = post(urls["prefill"] + "/v1/completions",
                                 {**base, "prompt": prompts[path], "max_tokens": 1, "kv_transfer_params": kv}, timeout)
-                t_d, _ = post(urls["decode"] + "/v1/completions",
-                              {**base, "prompt": prompts[path], "kv_transfer_params": out["kv_transfer_params"]},
-                              timeout)
+                t_d, _body = post(urls["decode"] + "/v1/completions",
+                                  {**base, "prompt": prompts[path], "kv_transfer_params": out["kv_transfer_params"]},
+                                  timeout)
                 res["split_prefill"], res["split_decode"] = t_p, t_d
         except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
             res[path] = f"error: {exc}"
@@ -181,7 +181,7 @@ def table(rep: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     ap.add_argument("-i", "--inventory", default="inventory/local")
     ap.add_argument("--lengths", default="256,1024,3000", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--repeats", type=int, default=12, help="requests per path and length")

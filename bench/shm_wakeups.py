@@ -124,7 +124,7 @@ def run_once(mode: str, n: int) -> dict:
     t0 = time.monotonic()
     for p in procs:
         p.start()
-    sides = sorted((out.get(timeout=n / 100 + 600) for _ in procs), key=lambda s: s["side"])
+    sides = sorted((out.get(timeout=n / 100 + 600) for _proc in procs), key=lambda s: s["side"])
     for p in procs:
         p.join(timeout=60)
     return {"mode": mode, "round_trips": n, "messages": 2 * n, "wall_s": round(time.monotonic() - t0, 1),
@@ -133,7 +133,7 @@ def run_once(mode: str, n: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     ap.add_argument("--round-trips", type=int, default=200_000, help="round trips per run (2 messages each)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved")
     ap.add_argument("--modes", nargs="+", default=["conflate", "queued"],
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         print("shm_wakeups: run it with the vLLM venv's python (.cache/vllm-venv/bin/python)", file=sys.stderr)
         return 2
     totals = {m: {"lost": 0, "messages": 0, "wall_s": 0.0, "longest_wait_s": 0.0} for m in a.modes}
-    for _ in range(a.repeats):
+    for _repeat in range(a.repeats):
         for mode in a.modes:
             r = run_once(mode, a.round_trips)
             print(json.dumps(r), flush=True)

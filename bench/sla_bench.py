@@ -23,7 +23,7 @@ from ansible_collections.b300.pd.roles.pd_verify.files import pd_verify as pv
 def parse_goodput(items):
     slo = {"ttft": float("inf"), "tpot": float("inf")}
     for it in items or []:
-        key, _, val = it.partition(":")
+        key, _sep, val = it.partition(":")
         if key not in slo or not val:
             raise SystemExit(f"--goodput: '{it}' is not ttft:<ms> or tpot:<ms>")
         slo[key] = float(val)

@@ -208,11 +208,11 @@ def main(argv=None) -> int:
            "output_len": plan.output_len,
            "command": " ".join(["bench/sla_capacity.py"] + list(argv if argv is not None else sys.argv[1:])),
            "params": {k: getattr(a, k) for k in ("start_rate", "precision", "min_rate", "max_points",
-                                                  "point_seconds", "min_prompts", "max_prompts", "point_timeout",
-                                                  "budget_s", "prometheus_timeout", "seed",
-                                                  "confirm_failures", "repeats", "decisive_factor",
-                                                  "warmup_prompts", "warmup_concurrency", "fit_window",
-                                                  "sweep_centre")},
+                                                 "point_seconds", "min_prompts", "max_prompts", "point_timeout",
+                                                 "budget_s", "prometheus_timeout", "seed",
+                                                 "confirm_failures", "repeats", "decisive_factor",
+                                                 "warmup_prompts", "warmup_concurrency", "fit_window",
+                                                 "sweep_centre")},
            "contexts": []}
     t0 = time.time()
     budget_t0 = clock()
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
             measured, recorded = [], False
             contexts_after = len(contexts) - 1 - i
 
-            def measure(rate, ctx=ctx, measured=measured, contexts_after=contexts_after):
+            def measure(rate, ctx=ctx, record=measured.append, contexts_after=contexts_after):
                 # --repeats N: most of up to N points decide (it stops once they do). --repeats 1: a rate fails
                 # only when each of its 1 + --confirm-failures points fails: what disturbs a point on shared cores
                 # (another job, a stall) only slows it down, it never makes an overloaded rate pass.
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
                     if not budget_allows(clock() - budget_t0, worst, contexts_after, a.budget_s):
                         raise BudgetSpent(f"--budget-s {a.budget_s:g}: no time left for a point at {rate:g} req/s")
                     p = run_point(a, ctx, rate, raw_dir, log, attempt=attempt)
-                    measured.append(p)
+                    record(p)
                     passes, fails = passes + p.passed, fails + (not p.passed)
                     if a.repeats > 1:
                         if decisive_miss(p, a.plan.sla, a.decisive_factor):
@@ -274,8 +274,8 @@ def main(argv=None) -> int:
                     max_rate = knee_of_sweep(results)
                     fail_rate = next((r for r, ok in sorted(results) if not ok), None)
                 else:
-                    max_rate, fail_rate, _ = capacity_search(measure, start_rate, a.precision, a.min_rate,
-                                                             a.max_points)
+                    max_rate, fail_rate, _points = capacity_search(measure, start_rate, a.precision, a.min_rate,
+                                                                   a.max_points)
             except BudgetSpent as exc:
                 log(f"  {exc}; context {ctx} stops after {len(measured)} points")
                 budget_limited = True

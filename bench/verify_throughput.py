@@ -150,9 +150,9 @@ def sha_cpu(workers, nbytes=256 * MIB, bufsize=16 * MIB):
     block = os.urandom(bufsize)
     per = max(1, nbytes // bufsize)
 
-    def one(_):
+    def one(_worker):
         h = hashlib.sha256()
-        for _ in range(per):
+        for _block in range(per):
             h.update(block)
         return per * bufsize
 

@@ -95,12 +95,12 @@ def corpus_lines(train_items, rng: random.Random, n: int) -> list[str]:
     """Text the BPE tokenizer is trained on: the task lines plus free text made of the same words and digits,
     so every word is one token and numbers/punctuation tokenise compactly."""
     lines = []
-    for _ in range(n):
+    for _line in range(n):
         task, t = train_items[rng.randrange(len(train_items))]
         q = question_for(task, list(t))
         lines.append(prompt_for(q) + " " + answer_for(task, list(t)))
-        lines.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + ".")
-        lines.append(" ".join(str(rng.randint(0, 999)) for _ in range(rng.randint(2, 6))))
+        lines.append(" ".join(rng.choice(WORDS) for _word in range(rng.randint(3, 12))) + ".")
+        lines.append(" ".join(str(rng.randint(0, 999)) for _num in range(rng.randint(2, 6))))
     return lines
 
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return prompt_ids + ans_ids + [eos_id], len(prompt_ids)
 
     encoded = [encode(task, t) for task, t in train_items]
-    width = max(len(ids) for ids, _ in encoded)
+    width = max(len(ids) for ids, _start in encoded)
 
     def batch(indices):
         x = torch.full((len(indices), width), pad_id, dtype=torch.long)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     loss_val = float("nan")
     for step in range(args.steps):
-        idx = [rng.randrange(len(encoded)) for _ in range(args.batch_size)]
+        idx = [rng.randrange(len(encoded)) for _row in range(args.batch_size)]
         x, y, att = batch(idx)
         loss = model(input_ids=x, attention_mask=att, labels=y).loss
         opt.zero_grad(set_to_none=True)

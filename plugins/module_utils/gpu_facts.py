@@ -348,7 +348,7 @@ def check_rdma(facts, expect):
         return [_problem("rdma", "expected RDMA devices {}, found none in {} (no RDMA driver / NIC)".format(
             ", ".join(wanted), facts.get("rdma_dir", "/sys/class/infiniband")))]
     for want in wanted:
-        name, _, port = str(want).partition(":")
+        name, _sep, port = str(want).partition(":")
         if name not in rdma:
             problems.append(_problem("rdma", "RDMA device {} not found in {} (have: {})".format(
                 name, facts.get("rdma_dir", "/sys/class/infiniband"), ", ".join(sorted(rdma)) or "none")))

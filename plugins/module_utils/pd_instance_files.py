@@ -84,12 +84,12 @@ class InstanceFiles:
 
     def __init__(self, files, *, pending_path, saved_files):
         self.files, self.pending_path, self.saved_files = files, pending_path, saved_files
-        self.before = {path: read_text(path) for path, *_ in files}
+        self.before = {path: read_text(path) for path, *_rest in files}
         self.created = self.before[files[0][0]] is None
         self.diffs = [
             dict(before_header=path if self.before[path] is not None else "/dev/null", after_header=path,
                  before=self.before[path] or "", after=text)
-            for path, text, *_ in files if self.before[path] != text
+            for path, text, *_rest in files if self.before[path] != text
         ]
         self.content_changed = bool(self.diffs)
         self.attrs_changed = any(self.before[path] == text and file_needs_attrs(path, mode, uid, gid)
@@ -104,7 +104,7 @@ class InstanceFiles:
         # Back to what runs: while a restart is pending (a change was written, its restart failed or never came), a
         # render equal to the saved previous state is exactly what the process runs, so no restart is owed any more
         # (an inventory reverted after a failed change, docs/runbooks/rollback.md).
-        self.back_to_running = self.pending_before and all(self.running[path] == text for path, text, *_ in files)
+        self.back_to_running = self.pending_before and all(self.running[path] == text for path, text, *_rest in files)
 
     @property
     def changed(self):

@@ -389,8 +389,8 @@ def validate_topology(hosts, recipe, sla, services=None):
                 f"topology, field pool: no {pool} instance in any host's pd_instances; P/D needs at least one "
                 f"{pool} instance"
             )
-    for ph, pi, _ in by_pool["prefill"]:
-        for dh, di, _ in by_pool["decode"]:
+    for ph, pi, _recipe in by_pool["prefill"]:
+        for dh, di, _decode_recipe in by_pool["decode"]:
             if pi["tp_size"] > di["tp_size"]:
                 problems.append(
                     f"host {ph}, instance {pi['name']}, field tp_size: prefill TP {pi['tp_size']} > decode TP "
@@ -399,9 +399,9 @@ def validate_topology(hosts, recipe, sla, services=None):
     flags = {(h, i["name"]): build_flags(r, i) for h, i, r in good}
     models = {(h, i["name"]): r.get("pd_model_path") for h, i, r in good}
     if by_pool["prefill"] and by_pool["decode"]:
-        ref_h, ref_i, _ = by_pool["decode"][0]
+        ref_h, ref_i, _ref_recipe = by_pool["decode"][0]
         ref = (ref_h, ref_i["name"])
-        for h, i, _ in by_pool["prefill"] + by_pool["decode"][1:]:
+        for h, i, _recipe in by_pool["prefill"] + by_pool["decode"][1:]:
             key = (h, i["name"])
             if models[key] != models[ref]:
                 problems.append(

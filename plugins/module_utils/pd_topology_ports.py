@@ -65,5 +65,5 @@ def check_host_ports(problems, host, services, instances=()):
         _claim_port(problems, claimed, port, what, where=f"host {host}", field=field)
     for inst in instances:
         for port, what in instance_port_claims(inst):
-            field = what.split(" of ")[0].replace("NIXL side-channel port", "nixl_side_channel_port")
+            field = what.split(" of ", maxsplit=1)[0].replace("NIXL side-channel port", "nixl_side_channel_port")
             _claim_port(problems, claimed, port, what, where=f"host {host}, instance {inst['name']}", field=field)

@@ -191,7 +191,7 @@ class _Parser:
         import contextlib
         import io
 
-        parser, _, cmd = self._build()
+        parser, _serve, cmd = self._build()
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -313,7 +313,7 @@ def check_one(parser, item, speculative):
     if not isinstance(argv, list) or not argv or not all(isinstance(w, str) for w in argv):
         return [f"{where(item)}: no argv to check (internal: the module sends the model, then the flags)"]
     problems = []
-    for _, word in _option_words(argv):
+    for _index, word in _option_words(argv):
         if word not in parser.options:
             import difflib
 

@@ -94,7 +94,7 @@ def check_part(store, stage_fd, part_name, entry, bufsize):
         if not stat.S_ISREG(st.st_mode) or st.st_size != entry["size"]:
             return False, st.st_size, None
         algos = ("sha256",) if "sha256" in entry else ("sha256", "git_sha1")
-        _, digests = hash_stream(fh, bufsize, algos, git_size=st.st_size)
+        _size, digests = hash_stream(fh, bufsize, algos, git_size=st.st_size)
         good = digests[0] == entry["sha256"] if "sha256" in entry else digests[1] == entry["git_sha1"]
         if good:
             os.fchmod(fd, 0o644)

@@ -135,7 +135,7 @@ class ModelWeights:
         result.update(
             pruned=retention.to_prune,
             kept_in_use=retention.kept_in_use,
-            in_use={r: paths for r, paths in sorted(retention.in_use.items())},
+            in_use=dict(sorted(retention.in_use.items())),
             unreadable_records=retention.record_problems,
         )
         if retention.record_problems:

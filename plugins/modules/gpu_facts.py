@@ -16,7 +16,7 @@ description:
     C(no_gpu) problem naming the reason, instead of failing.
   - Only reads; supports check mode.
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 extends_documentation_fragment:
   - b300.pd.attributes
   - b300.pd.attributes.info_module

@@ -4,12 +4,6 @@
 # The module's documentation, arguments and main(); the work is in module_utils/weights_run.py and the model_* and
 # weights_* files it uses (packed into the AnsiballZ payload by their imports).
 
-import errno
-
-from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.b300.pd.plugins.module_utils.model_errors import ManifestError, WeightsError
-from ansible_collections.b300.pd.plugins.module_utils.weights_run import ModelWeights
-
 DOCUMENTATION = r"""
 ---
 module: model_weights
@@ -34,7 +28,7 @@ description:
   - Revisions that are 64 hex digits are content addresses (sha256 of the canonical file list, see
     C(scripts/model-manifest)) and are checked against the manifest's file list.
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 extends_documentation_fragment:
   - b300.pd.attributes
 attributes:
@@ -269,6 +263,14 @@ manifest_origin:
   returned: always
   type: str
 """
+
+# Imports after the documentation (community.general layout).
+
+import errno  # noqa: E402
+
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.model_errors import ManifestError, WeightsError  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.weights_run import ModelWeights  # noqa: E402
 
 
 def main():

@@ -20,7 +20,7 @@ description:
     its results file is removed. A job killed by async_wrapper at its limit fails naming the limit's variable.
   - "Call it in a loop (C(until: result is finished), C(retries), C(delay)); every return carries C(finished)."
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 options:
   jid:
     description: "The job id, C(ansible_job_id) of the task started with C(poll: 0)."

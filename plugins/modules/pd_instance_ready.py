@@ -16,7 +16,7 @@ description:
   - Fails after O(timeout_s) seconds otherwise.
   - Reads only; changes nothing.
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 options:
   unit:
     description: The instance's systemd unit (C(vllm-<name>.service)).
@@ -71,9 +71,10 @@ unit_state:
 
 import time  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.urls import ConnectionError as UrlConnectionError  # noqa: E402
+from ansible.module_utils.urls import open_url  # noqa: E402
 
 
 def unit_status(module, unit):
@@ -92,14 +93,15 @@ def unit_status(module, unit):
 
 def healthy(url):
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - a local URL from the inventory
+        # The instance's own local URL: never through a proxy from the environment.
+        with open_url(url, timeout=5, use_proxy=False) as resp:
             return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, UrlConnectionError, OSError, ValueError):
         return False
 
 
 def journal(module, unit, lines):
-    rc, out, _ = module.run_command(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"])
+    rc, out, _err = module.run_command(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"])
     return out.strip() if rc == 0 else ""
 
 
@@ -108,7 +110,7 @@ def wait_ready(module, params, *, clock=time.monotonic, sleep=time.sleep):
     unit, url, timeout_s, poll_s = params["unit"], params["url"], params["timeout_s"], params["poll_s"]
     lines = params["journal_lines"]
     start = clock()
-    _, _, restarts0 = unit_status(module, unit)
+    _active, _sub, restarts0 = unit_status(module, unit)
     polls = 0
     state = "?/?"
     while True:

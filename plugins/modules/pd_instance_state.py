@@ -17,7 +17,7 @@ description:
     C(<env_dir>/rollback/<name>.record.json); that record is returned instead.
   - Never parses a unit file. Reads only; changes nothing.
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 options:
   instances:
     description: Names of the instances (C(pd_instances[].name) of the host).

@@ -29,7 +29,7 @@ description:
     lists it reads are plugins/module_utils/pd_cluster_inputs.py's), so a playbook passes none of them and copies no
     list of vars."
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 options:
   hosts:
     description:

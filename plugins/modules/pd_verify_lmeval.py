@@ -21,7 +21,7 @@ description:
     O(workdir). A run that failed (lm_eval exit status, no result, score below O(min_score)) is reported there
     with C(ok=false), not as a failed task, so the report is written first; bad input fails the task.
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 options:
   lm_eval:
     description: The C(lm_eval) executable (C(.cache/lmeval-venv/bin/lm_eval), made by scripts/bootstrap).
@@ -145,7 +145,7 @@ accuracy:
     score: {description: The task's O(metric) (null when lm_eval gave none)., type: float}
     n: {description: Items scored., type: int}
     n_available: {description: Items in the task's data set., type: int}
-    failed_items: {description: Up to 10 items scored 0 (id, prompt, output, expected)., type: list}
+    failed_items: {description: "Up to 10 items scored 0 (id, prompt, output, expected).", type: list}
     errors: {description: Why the step failed., type: list}
   sample: {ok: true, task: tiny_pd, metric: "acc,none", score: 1.0, min_score: 0.8, n: 30, n_available: 200}
 argv:
@@ -341,7 +341,7 @@ def run_module():
             items_source=dict(type="str", default="items"),
             chat=dict(type="bool", default=False),
             max_items=dict(type="int", default=0),
-            max_tokens=dict(type="int", default=0),
+            max_tokens=dict(type="int", default=0, no_log=False),  # a token count, not a secret
             gen_kwargs=dict(type="dict", default={}),
             concurrency=dict(type="int", default=1),
             request_timeout_s=dict(type="int", default=600),

@@ -10,7 +10,7 @@ module: pd_vllm_argv_check
 short_description: Parse every vLLM instance's argv with the pinned vLLM's own serve parser, in one process
 description:
   - Renders each instance's argv (what follows C(vllm serve) in its unit) with C(plugins/module_utils/pd_recipe.py)
-    C(build_argv), the renderer the units use, from the same O(hosts) and O(recipe) as M(pd_topology).
+    C(build_argv), the renderer the units use, from the same O(hosts) and O(recipe) as M(b300.pd.pd_topology).
   - Runs O(python) (the control node's vLLM venv) ONCE for the whole cluster with every argv on stdin; that process
     imports vLLM once (importing it takes seconds; one process per instance made validation minutes long on a large
     cluster) and, per instance, refuses option words that are not exactly an option of C(vllm serve) (a misspelling,
@@ -23,14 +23,15 @@ description:
   - Fails once with one line per problem naming host, instance and flag. Changes nothing; contacts no host.
   - The parser is the one of the installed vLLM, so its release must be O(vllm_version) (the hosts' pin).
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 options:
   hosts:
-    description: Host name -> C({ansible_host, pd_gpus_per_host, pd_instances, recipe}), as for M(pd_topology).
+    description: Host name -> C({ansible_host, pd_gpus_per_host, pd_instances, recipe}), as for M(b300.pd.pd_topology).
     type: dict
     required: true
   recipe:
-    description: The recipe vars (M(pd_topology)'s O(recipe)); a host's C(recipe) key overrides them for that host.
+    description: >-
+      The recipe vars (M(b300.pd.pd_topology)'s O(recipe)); a host's C(recipe) key overrides them for that host.
     type: dict
     required: true
   python:

@@ -31,7 +31,7 @@ description:
     systemd; RV(restart_required) tells the caller, and stays true (marker RV(pending_path)) until the
     caller removes the marker after the restart.
 version_added: "1.0.0"
-author: b300-pd contributors
+author: b300-pd contributors (@b300-pd)
 options:
   instance:
     description: One C(pd_instances) entry (name, pool, gpus, tp_size, dp_size, http_port, nixl_side_channel_port,

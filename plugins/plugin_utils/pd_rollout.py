@@ -39,8 +39,8 @@ def pd_rollout_topology(cluster, hosts=None):
     """The cluster view's instances on ``hosts`` (default every vLLM host) as {name, host, pool, url, http_port}."""
     if not isinstance(cluster, dict) or not isinstance(cluster.get("instances"), list):
         fail("pd_rollout: pd_cluster (the cluster view) is not defined; run the role through a playbook that imports "
-              "playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
-              "publishes pd_cluster to every host")
+             "playbooks/validate.yml first (site.yml, playbooks/deploy.yml): it validates the topology and "
+             "publishes pd_cluster to every host")
     out = [{"name": i["name"], "host": i["host"], "pool": i["pool"], "url": i["url"], "http_port": i["http_port"]}
            for i in cluster["instances"] if hosts is None or i["host"] in hosts]
     for pool in POOLS:
@@ -61,9 +61,11 @@ def pd_rollout_order(topology):
 
     ordered = [h for h in hosts if pools(h) == {"prefill"}] + [h for h in hosts if pools(h) != {"prefill"}]
     rank = {"prefill": 0, "decode": 1}
-    return [{"host": h, "instances": [t["name"] for t in sorted((t for t in topology if t["host"] == h),
-                                                               key=lambda t: rank[t["pool"]])]}
-            for h in ordered]
+
+    def instances_of(host):
+        return [t["name"] for t in sorted((t for t in topology if t["host"] == host), key=lambda t: rank[t["pool"]])]
+
+    return [{"host": h, "instances": instances_of(h)} for h in ordered]
 
 
 def pd_rollout_routing(topology, keys, out=(), prefer_key=None, model=None):
@@ -89,7 +91,7 @@ def pd_rollout_routing(topology, keys, out=(), prefer_key=None, model=None):
     regular = [t for t in avail if t["pool"] == "prefill"] or [t for t in avail if t["pool"] == "decode"]
     if not regular:
         fail(f"pd_rollout: taking {', '.join(sorted(out))} out of rotation leaves no instance to serve; "
-              "a rollout needs at least two instances")
+             "a rollout needs at least two instances")
     return [{"url": t["url"], "worker_type": "regular", "model_id": model, "name": t["name"]} for t in regular]
 
 
@@ -100,7 +102,7 @@ def pd_rollout_keys(groups, hostvars, group="vllm_hosts"):
         state = hostvars[host].get("pd_rollout_state")
         if not state:
             fail(f"pd_rollout: host '{host}' has no pd_rollout_state (run the role's facts.yml on every host of "
-                  f"'{group}' first)")
+                 f"'{group}' first)")
         for name, st in state.items():
             keys[name] = st["key"]
     return keys

@@ -91,7 +91,7 @@ def cluster() -> tuple[dict, dict, dict]:
 
 @pytest.fixture(scope="session")
 def inventory() -> dict:
-    view, _, hostvars = cluster()
+    view, _groups, hostvars = cluster()
     raw = {i["name"]: i for h in dict.fromkeys(v["host"] for v in view["instances"])
            for i in hostvars[h]["pd_instances"]}
     # Host-name order, as before (a stable sort keeps each host's own order).
@@ -115,7 +115,7 @@ def run_testhosts(*args: str, timeout: int = 900) -> subprocess.CompletedProcess
 def host_cmd(host: str, command: str, timeout: int = 120, check: bool = True, ssh_attempts: int = 5) -> str:
     # ssh joins the remote words with spaces for the remote shell: pass the command as one word.
     argv = [str(ROOT / "scripts" / "testhosts"), "ssh", "--env", "local", host, "--", command]
-    for _ in range(ssh_attempts - 1):
+    for _attempt in range(ssh_attempts - 1):
         # 255 is ssh's own failure: under load (engines restarting) sshd can miss the 5 s banner timeout.
         proc = run(argv, timeout=timeout, check=False)
         if proc.returncode != 255:
@@ -236,7 +236,7 @@ def test_front_door_refuses_clients_without_the_key_and_every_admin_path(invento
         for port in (unit["port"],):
             try:
                 direct[f"{unit['name']}:{port}"] = raw_request(f"http://{router_host['ansible_host']}:{port}/workers",
-                                                                timeout=5)[0]
+                                                               timeout=5)[0]
             except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
                 direct[f"{unit['name']}:{port}"] = f"unreachable ({getattr(e, 'reason', e)})"
     ok_status, ok_body = raw_request(f"{url}/v1/completions", "POST", {**ctype, "Authorization": f"Bearer {key}"},
@@ -524,7 +524,7 @@ def test_change_path_revision_switch_through_site_yml_drops_no_request(inventory
     decode last (served colocated meanwhile), 0 failed requests, no P/D pair across two revisions at any sample
     (the routers' registries against the revision on each process's command line), records and processes agree,
     P/D at the end (issue #15)."""
-    _, r2 = _revisions()
+    _r1, r2 = _revisions()
     names = sorted(i["name"] for i in inventory["instances"])
     decode = [i["name"] for i in inventory["instances"] if i["pool"] == "decode"]
     source = {"type": "path", "path": "/srv/model-src/tiny-pd-r2", "revision": r2}
@@ -538,7 +538,7 @@ def test_change_path_revision_switch_through_site_yml_drops_no_request(inventory
 def test_change_path_rollback_to_the_inventory_as_it_was(inventory):
     """(c) The rollback: site.yml with the inventory as committed (revision r1, still on disk; the original flags),
     the same drain path, 0 failed requests (issue #15)."""
-    r1, _ = _revisions()
+    r1, _r2 = _revisions()
     c = change_through_site(inventory, "change-rollback", None)
     assert c["instances"], "nothing was rolled back"
     assert {r["process_revision"] for r in c["revisions_after"].values()} == {r1}, c["revisions_after"]

@@ -60,7 +60,7 @@ FLAGS = {"--context-points": 2, "--start-rate": 4, "--min-rate": 0.1, "--max-poi
 
 @pytest.fixture(scope="module")
 def stack_info() -> dict:
-    view, _, hostvars = cluster()
+    view, _groups, hostvars = cluster()
     router = hostvars[view["routers"][0]["host"]]
     pools = {p for p, names in view["pools"].items() if names}
     sla = router["pd_sla"]

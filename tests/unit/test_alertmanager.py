@@ -150,7 +150,7 @@ def _decode_down_labels(inv: str, rules: dict) -> list[str]:
 
 
 def test_decode_down_alert_reaches_the_local_webhook(tmp_path):
-    path, _ = render_alertmanager("local", tmp_path)
+    path, _cfg = render_alertmanager("local", tmp_path)
     rules = alerts_of(render_role("local", tmp_path)["pd-alerts.yml"])
     r = amtool("config", "routes", "test", f"--config.file={path}", "--verify.receivers=local-webhook",
                *_decode_down_labels("local", rules))
@@ -176,7 +176,7 @@ def test_inhibit_rules_name_alerts_and_labels_that_exist(tmp_path, inv):
     files = render_role(inv, tmp_path)
     rules = alerts_of(files["pd-alerts.yml"])
     prom = yaml.safe_load(files["prometheus.yml"].read_text())
-    path, _ = render_alertmanager(inv, tmp_path)
+    path, _cfg = render_alertmanager(inv, tmp_path)
     cfg = yaml.safe_load(path.read_text())
     severities = {r["labels"]["severity"] for r in rules.values()}
     external = set(prom["global"]["external_labels"])
@@ -210,10 +210,10 @@ def test_inhibit_check_fails_on_an_unknown_alert_name(tmp_path):
     ctx = inventory_role_vars("local")
     bad = copy.deepcopy(ctx["observability_alertmanager_inhibit_rules"])
     bad[0]["source_matchers"] = ['alertname="PdRouterGone"']
-    path, _ = render_alertmanager("local", tmp_path, overrides={"observability_alertmanager_inhibit_rules": bad})
+    path, _cfg = render_alertmanager("local", tmp_path, overrides={"observability_alertmanager_inhibit_rules": bad})
     cfg = yaml.safe_load(path.read_text())
     rules = alerts_of(render_role("local", tmp_path)["pd-alerts.yml"])
-    names = {v for rule in cfg["inhibit_rules"] for label, _, v in _matchers(rule["source_matchers"])
+    names = {v for rule in cfg["inhibit_rules"] for label, _op, v in _matchers(rule["source_matchers"])
              if label == "alertname"}
     assert "PdRouterGone" in names and "PdRouterGone" not in rules
 

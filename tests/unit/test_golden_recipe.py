@@ -69,7 +69,7 @@ def test_seed_fixtures_parse_as_expected():
     assert pf["--tensor-parallel-size"] == "1" and pf["--data-parallel-size"] == "4"
     assert pf["--enable-expert-parallel"] is True
     assert json.loads(pf["--kv-transfer-config"])["kv_role"] == "kv_producer"
-    _, df = seed("decode")
+    _model, df = seed("decode")
     assert df["--data-parallel-size"] == "8" and df["--all2all-backend"] == "flashinfer_nvlink_two_sided"
 
 
@@ -79,7 +79,7 @@ INSTANCES = [(h, i) for h, hv in INV["hosts"].items() for i in hv["pd_instances"
 
 
 def test_b300_has_the_seed_topology():
-    pools = [i["pool"] for _, i in INSTANCES]
+    pools = [i["pool"] for _host, i in INSTANCES]
     assert pools.count("prefill") == 4 and pools.count("decode") == 1
 
 
@@ -117,7 +117,7 @@ def test_b300_units_render_the_seed_flags(host, inst):
 @pytest.mark.parametrize("pool", ["prefill", "decode"])
 def test_golden_entry_point_comparison_can_fail(pool):
     """The old `python -m ...api_server --model MODEL` form, or a missing positional model, is not the seed's."""
-    _, seed_model, _ = parse_cmdline(shlex.split((SEED / f"{pool}.cmd").read_text().strip()))
+    _entry, seed_model, _flags = parse_cmdline(shlex.split((SEED / f"{pool}.cmd").read_text().strip()))
     for words in (
         [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", seed_model, "--port", "8100"],
         ["/opt/vllm/current/bin/vllm", "serve", "--model", seed_model, "--port", "8100"],
@@ -129,13 +129,13 @@ def test_golden_entry_point_comparison_can_fail(pool):
 
 def test_golden_comparison_can_fail():
     """The comparison itself catches a drifted value and an extra flag."""
-    _, expected = seed("decode")
+    _model, expected = seed("decode")
     assert not same_value("0.9", "0.92") and same_value("0.90", "0.9")
     assert not same_value('{"method":"mtp","num_speculative_tokens":1}', '{"method":"mtp","num_speculative_tokens":3}')
     recipe = json.loads(json.dumps(INV["recipe"]))
     recipe["pd_vllm_flags_pool"]["decode"]["max-num-batched-tokens"] = 2048
-    decode = next(i for _, i in INSTANCES if i["pool"] == "decode")
-    _, _, rendered = parse_cmdline(exec_start_argv(
+    decode = next(i for _host, i in INSTANCES if i["pool"] == "decode")
+    _entry, _model, rendered = parse_cmdline(exec_start_argv(
         pd_unit.render_unit(recipe, decode, PYTHON, "vllm")))
     assert not same_value(rendered["--max-num-batched-tokens"], expected["--max-num-batched-tokens"])
 

@@ -311,7 +311,7 @@ def test_module_b300_sample_passes(monkeypatch, capsys, tmp_path):
     args = {"expected_product": "NVIDIA B300", "expected_count": 8, "min_driver_version": "580.0",
             "require_fabric": True, "require_nvlink": True, "require_persistence": True, "require_ecc": True,
             "rdma_sysfs_dir": str(tmp_path)}
-    res, _ = run_module(monkeypatch, capsys, args, outputs)
+    res, _calls = run_module(monkeypatch, capsys, args, outputs)
     assert res["problems"] == []
     assert res["gpu_facts"]["count"] == 8
     assert {g["nvlink_active"] for g in res["gpu_facts"]["gpus"]} == {18}
@@ -418,6 +418,6 @@ def test_module_checks_nic_affinity_of_instances(monkeypatch, capsys, tmp_path):
     outputs = {"-q -x": (0, B300_XML, ""), "nvlink -s": (0, B300_NVLINK, ""), "topo -m": (0, B300_TOPO, "")}
     instances = inventory_instances("b300-01")
     instances[1]["ucx_net_devices"] = "mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1"  # prefill-b on GPUs 4-7: wrong rails
-    res, _ = run_module(monkeypatch, capsys, {"instances": instances, "rdma_sysfs_dir": str(tmp_path)}, outputs)
+    res, _calls = run_module(monkeypatch, capsys, {"instances": instances, "rdma_sysfs_dir": str(tmp_path)}, outputs)
     assert [(p["kind"], p["gpu"]) for p in res["problem_details"]] == [("nic_affinity", g) for g in (4, 5, 6, 7)]
     assert res["problems"][0].startswith("instance prefill-b: GPU 4 has none of its ucx_net_devices")

@@ -227,7 +227,7 @@ def test_rsync_fetcher_builds_ssh_command():
         return 0, "Literal data: 1,234 bytes\n", ""
 
     f = RsyncFetcher(fake, "/mnt/model/glm/revisions/abc", host="10.0.0.11", user="root", port=2222,
-                        ssh_key="/root/.ssh/model_peer", ssh_args=["-o", "ConnectTimeout=5"])
+                     ssh_key="/root/.ssh/model_peer", ssh_args=["-o", "ConnectTimeout=5"])
     assert f.fetch({"path": "a/b.bin", "size": 10}, "/nonexistent/b.bin.part") == 1234
     argv = calls[0]
     assert argv[-2:] == ["root@10.0.0.11:/mnt/model/glm/revisions/abc/a/b.bin", "/nonexistent/b.bin.part"]
@@ -238,7 +238,7 @@ def test_rsync_fetcher_builds_ssh_command():
 
 def test_rsync_failure_is_reported():
     f = RsyncFetcher(lambda argv: (255, "", "ssh: connect to host 10.0.0.11 port 22: No route to host"),
-                        "/r", host="10.0.0.11")
+                     "/r", host="10.0.0.11")
     with pytest.raises(ManifestError, match="rsync of a.bin from 10.0.0.11:/r failed .*No route to host"):
         f.fetch({"path": "a.bin", "size": 1}, "/nonexistent.part")
 

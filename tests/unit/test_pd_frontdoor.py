@@ -35,7 +35,6 @@ ERR = (ValueError, AnsibleError)  # the filters raise AnsibleFilterError under A
 KEY = "k" * 8 + "0123456789abcdef0123456789abcdef"
 
 
-
 def _units(*ports_modes):
     return [{"name": f"vllm-router-{i}", "mode": m, "port": p, "metrics_port": 29000 + i}
             for i, (p, m) in enumerate(ports_modes)]
@@ -176,7 +175,7 @@ def _nginx(tmp: Path, port: int):
     """The real nginx on the config _render wrote into `tmp`, listening on `port` until the block ends."""
     subprocess.run([NGINX, "-p", str(tmp), "-c", str(tmp / "nginx.conf")], check=True)
     try:
-        for _ in range(100):
+        for _attempt in range(100):
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 break
@@ -261,7 +260,7 @@ def test_access_log_becomes_metrics_through_the_roles_mtail_program(frontdoor, t
     _req(frontdoor["url"] + "/v1/completions", key=KEY)
     _req(frontdoor["url"] + "/v1/completions")
     log = frontdoor["dir"] / "access.log"
-    for _ in range(50):
+    for _attempt in range(50):
         if log.exists() and len(log.read_text().splitlines()) >= 2:
             break
         time.sleep(0.1)

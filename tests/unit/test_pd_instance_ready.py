@@ -63,7 +63,7 @@ def test_ready_when_health_answers_200(health, monkeypatch):
 
 
 def test_a_failed_unit_fails_at_once_with_its_journal(health, monkeypatch):
-    _, url = health
+    _handler, url = health
     run_command, calls = systemd([("activating", "start", 0), ("failed", "failed", 0)])
     res, failed = run_module(ready.main, args(url, timeout_s=900), run_command=run_command, monkeypatch=monkeypatch)
     assert failed
@@ -73,23 +73,23 @@ def test_a_failed_unit_fails_at_once_with_its_journal(health, monkeypatch):
 
 
 def test_a_crash_loop_fails_at_once(health, monkeypatch):
-    _, url = health
+    _handler, url = health
     # systemd's Restart= brought the unit back after a crash: it looks "activating" again, NRestarts grew
-    run_command, _ = systemd([("activating", "start", 3), ("activating", "start", 3),
-                              ("activating", "auto-restart", 4)])
+    run_command, _calls = systemd([("activating", "start", 3), ("activating", "start", 3),
+                                   ("activating", "auto-restart", 4)])
     res, failed = run_module(ready.main, args(url, timeout_s=900), run_command=run_command, monkeypatch=monkeypatch)
     assert failed and "was restarted by systemd 1 time(s)" in res["msg"]
 
 
 def test_a_start_that_hangs_fails_at_the_timeout(health, monkeypatch):
-    _, url = health
-    run_command, _ = systemd([("active", "running", 0)])
+    _handler, url = health
+    run_command, _calls = systemd([("active", "running", 0)])
     res, failed = run_module(ready.main, args(url, timeout_s=1, poll_s=0.1), run_command=run_command,
                              monkeypatch=monkeypatch)
     assert failed and "did not answer 200 within 1 s" in res["msg"] and "active/running" in res["msg"]
 
 
 def test_bad_arguments_are_refused(health, monkeypatch):
-    _, url = health
+    _handler, url = health
     res, failed = run_module(ready.main, args(url, poll_s=0), monkeypatch=monkeypatch)
     assert failed and "poll_s > 0" in res["msg"]

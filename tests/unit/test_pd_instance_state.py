@@ -29,7 +29,8 @@ def test_current_record_then_the_saved_one_while_a_restart_is_pending(tmp_path, 
     (tmp_path / ".prefill-0.restart-pending").write_text("pending\n")
     (tmp_path / "rollback").mkdir()
     (tmp_path / "rollback" / "prefill-0.record.json").write_text(json.dumps(_record("r1", "k1")))
-    res, _ = run_module(state.main, {"instances": ["prefill-0"], "env_dir": str(tmp_path)}, monkeypatch=monkeypatch)
+    res, _failed = run_module(state.main, {"instances": ["prefill-0"], "env_dir": str(tmp_path)},
+                              monkeypatch=monkeypatch)
     got = res["instances"]["prefill-0"]
     assert (got["key"], got["revision"], got["source"], got["restart_pending"]) == ("k1", "r1", "rollback", True)
 

@@ -150,7 +150,7 @@ class FakeServer:
         h.send_header("Content-Length", "1000")
         h.end_headers()
         try:
-            for _ in range(1000):
+            for _chunk in range(1000):
                 if self.release.wait(0.05):
                     return
                 h.wfile.write(b" ")

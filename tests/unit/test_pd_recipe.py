@@ -179,7 +179,7 @@ def test_unit_essentials(recipe, inst):
     while cont[-1].endswith("\\"):
         cont.append(lines[start + len(cont)])
     assert sum(1 for x in cont if x.strip().startswith("--")) == sum(1 for a in r.build_argv(recipe, inst)
-                                                                      if a.startswith("--"))
+                                                                     if a.startswith("--"))
 
 
 def test_unit_execstart_roundtrip(recipe, inst):
@@ -282,7 +282,7 @@ def test_systemd_accepts_rendered_units(tmp_path, inventory):
     for hv in inv["hosts"].values():
         for inst in hv["pd_instances"]:
             text = pd_unit.render_unit(inv["recipe"], inst, str(venv_bin / "python"), "root", env_dir=str(tmp_path),
-                                 vllm_package=package)
+                                       vllm_package=package)
             (tmp_path / f"{inst['name']}.env").write_text(r.render_env_file(
                 r.build_env(inv["recipe"], inst, hv["ansible_host"]), inst))
             path = tmp_path / r.unit_name(inst)

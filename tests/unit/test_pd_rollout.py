@@ -27,7 +27,7 @@ def topo(name):
 
 
 def test_local_topology_and_order():
-    t, _ = topo("local")
+    t, _inv = topo("local")
     assert [(x["name"], x["pool"], x["url"]) for x in t] == [
         ("prefill-0", "prefill", "http://10.237.0.11:8100"), ("prefill-1", "prefill", "http://10.237.0.11:8101"),
         ("decode-0", "decode", "http://10.237.0.12:8200")]
@@ -43,7 +43,7 @@ def test_order_puts_prefill_only_hosts_first_and_prefill_before_decode_on_a_host
 
 
 def test_b300_order_is_prefill_servers_then_the_decode_server():
-    t, _ = topo("b300")
+    t, _inv = topo("b300")
     assert [o["host"] for o in ro.pd_rollout_order(t)] == ["b300-01", "b300-02", "b300-03"]
 
 
@@ -52,7 +52,7 @@ def reg(wanted):
 
 
 def test_draining_one_prefill_keeps_pd_with_the_others():
-    t, _ = topo("local")
+    t, _inv = topo("local")
     keys = dict.fromkeys(("prefill-0", "prefill-1", "decode-0"), "k")
     assert reg(ro.pd_rollout_routing(t, keys, ["prefill-1"], "k", "tiny-pd")) == [
         ("decode-0", "decode"), ("prefill-0", "prefill")]
@@ -64,7 +64,7 @@ def test_draining_one_prefill_keeps_pd_with_the_others():
 
 
 def test_draining_the_only_decode_sends_whole_requests_to_the_prefill_pool():
-    t, _ = topo("local")
+    t, _inv = topo("local")
     keys = dict.fromkeys(("prefill-0", "prefill-1", "decode-0"), "k")
     w = ro.pd_rollout_routing(t, keys, ["decode-0"], "k", "tiny-pd")
     assert reg(w) == [("prefill-0", "regular"), ("prefill-1", "regular")]
@@ -73,7 +73,7 @@ def test_draining_the_only_decode_sends_whole_requests_to_the_prefill_pool():
 
 def test_version_change_pairs_only_same_version_instances():
     """Prefill first through a vLLM version change: old P with old D, then colocated, then new P/D."""
-    t, _ = topo("local")
+    t, _inv = topo("local")
     old, new = "vllm=0.32.0;nixl=1.5.1;flags=a", "vllm=0.33.0;nixl=1.5.1;flags=a"
     keys = {"prefill-0": new, "prefill-1": old, "decode-0": old}
     # prefill-0 switched, back "in": it has no new decode to pair with; old pair serves.
@@ -91,7 +91,7 @@ def test_version_change_pairs_only_same_version_instances():
 
 @pytest.mark.parametrize("inv", ["local", "b300"])
 def test_registry_never_pairs_different_keys_or_routes_to_an_instance_that_is_out(inv):
-    t, _ = topo(inv)
+    t, _inv = topo(inv)
     names = [x["name"] for x in t]
     pool = {x["name"]: x["pool"] for x in t}
     checked = 0
@@ -130,7 +130,7 @@ def test_nothing_left_to_serve_is_refused():
 
 
 def test_partner_is_of_the_other_pool_and_the_same_key():
-    t, _ = topo("local")
+    t, _inv = topo("local")
     keys = {"prefill-0": "new", "prefill-1": "old", "decode-0": "old"}
     assert ro.pd_rollout_partner(t, keys, "prefill-0", "new") == ""
     assert ro.pd_rollout_partner(t, keys, "prefill-1", "old") == "decode-0"

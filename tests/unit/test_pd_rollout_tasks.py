@@ -145,15 +145,16 @@ def inventory(tmp_path, p0, p1, d0, router_url):
                  "pd_rollout_router_python": sys.executable, "pd_rollout_router_tool": str(TOOL),
                  "pd_rollout_drain_settle_s": 0, "pd_rollout_drain_poll_s": 1, "pd_rollout_smoke_max_tokens": 3,
                  "out_dir": str(tmp_path)},
-        "children": {"vllm_hosts": {"hosts": {
-            "hp": {**common, "pd_instances": [
-                {"name": "prefill-0", "pool": "prefill", "http_port": p0.port, "nixl_side_channel_port": 5600},
-                {"name": "prefill-1", "pool": "prefill", "http_port": p1.port, "nixl_side_channel_port": 5610}]},
-            "hd": {**common, "pd_instances": [{"name": "decode-0", "pool": "decode", "http_port": d0.port,
-                                                "nixl_side_channel_port": 5700}]},
-        }},
-        # Every inventory has one (validate.yml requires it); the argument_spec's defaults name it.
-        "router_hosts": {"hosts": {"hp": {}}}}}}
+        "children": {
+            "vllm_hosts": {"hosts": {
+                "hp": {**common, "pd_instances": [
+                    {"name": "prefill-0", "pool": "prefill", "http_port": p0.port, "nixl_side_channel_port": 5600},
+                    {"name": "prefill-1", "pool": "prefill", "http_port": p1.port, "nixl_side_channel_port": 5610}]},
+                "hd": {**common, "pd_instances": [{"name": "decode-0", "pool": "decode", "http_port": d0.port,
+                                                   "nixl_side_channel_port": 5700}]},
+            }},
+            # Every inventory has one (validate.yml requires it); the argument_spec's defaults name it.
+            "router_hosts": {"hosts": {"hp": {}}}}}}
     # The cluster view validate.yml would publish (the task files read pd_cluster), composed by the same code.
     hosts = inv["all"]["children"]["vllm_hosts"]["hosts"]
     inv["all"]["vars"]["pd_cluster"] = view_from({"all": list(hosts), "vllm_hosts": list(hosts)}, hosts)
@@ -344,7 +345,7 @@ def test_a_restart_silences_the_instances_alerts_and_a_failure_ends_the_silence(
                 extra=["-e", json.dumps({"pd_rollout_alertmanager_url": am.url, "pd_rollout_alertmanager_host": "hp",
                                          "pd_rollout_silence_s": 600})])
     assert p.returncode != 0 and "failed at stage 'drain'" in " ".join(p.stdout.split()), p.stdout[-3000:]
-    (post, path, body), (delete, del_path, _) = am.calls
+    (post, path, body), (delete, del_path, _del_body) = am.calls
     assert (post, path, delete, del_path) == ("POST", "/api/v2/silences", "DELETE", "/api/v2/silence/s1")
     assert body["matchers"] == [{"name": "instance_name", "value": "decode-0", "isRegex": False, "isEqual": True},
                                 {"name": "host", "value": "hd", "isRegex": False, "isEqual": True}]

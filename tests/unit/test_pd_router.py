@@ -113,9 +113,9 @@ def test_router_rejects_what_it_does_not_know():
     """The validation is real: a flag the installed router lacks, or a bad policy, fails parsing."""
     view, hosts = topo("local")
     w = pdr.pd_router_workers(view, hosts)
-    rc, _, err = parse_with_router(pdr.pd_router_argv(w, settings(extra_args={"no-such-router-flag": 3})))
+    rc, _parsed, err = parse_with_router(pdr.pd_router_argv(w, settings(extra_args={"no-such-router-flag": 3})))
     assert rc != 0 and "no-such-router-flag" in err
-    rc, _, err = parse_with_router(pdr.pd_router_argv(w, settings(decode_policy="fastest")))
+    rc, _parsed, err = parse_with_router(pdr.pd_router_argv(w, settings(decode_policy="fastest")))
     assert rc != 0 and "fastest" in err
 
 
@@ -245,7 +245,7 @@ def test_unit_rendered_by_ansible_from_the_role(tmp_path):
                      "CapabilityBoundingSet=", "Restart=on-failure", "User=vllm-router"):
             assert line in unit.splitlines(), line
         # And the real router accepts exactly what the unit would run.
-        rc, _, err = parse_with_router(args[2:])
+        rc, _parsed, err = parse_with_router(args[2:])
         assert rc == 0, err
         # systemd's own exposure score of the unit (issue #18): <= 2.5.
         if shutil.which("systemd-analyze"):

@@ -244,7 +244,7 @@ def test_plain_pd_mode_cannot_add_a_worker_back_and_the_tool_says_so():
         assert status == 400 and "add_prefill_server or add_decode_server" in text
         status, text = call("POST", base + "/workers", {"url": d0.url, "worker_type": "decode"})
         assert status == 400
-        rc, _, err = tool(base, "list")
+        rc, _out, err = tool(base, "list")
         assert rc == 3 and "not in IGW mode" in err
 
 
@@ -256,17 +256,17 @@ def test_igw_drain_fallback_and_return_with_the_tool():
         rc, out, err = tool(base, "set", "--workers", "-", stdin=wanted(pd))
         assert rc == 0, err
         assert json.loads(out)["changed"] is True
-        texts = {complete(base)[1] for _ in range(4)}
+        texts = {complete(base)[1] for _i in range(4)}
         assert texts == {"d0:decode-after-p0", "d0:decode-after-p1"}
         # Idempotent.
-        rc, out, _ = tool(base, "set", "--workers", "-", stdin=wanted(pd))
+        rc, out, _err = tool(base, "set", "--workers", "-", stdin=wanted(pd))
         assert rc == 0 and json.loads(out)["changed"] is False
 
         # Drain p1: only p0 prefills.
-        rc, out, _ = tool(base, "set", "--workers", "-", stdin=wanted([pd[0], pd[2]]))
+        rc, out, _err = tool(base, "set", "--workers", "-", stdin=wanted([pd[0], pd[2]]))
         assert rc == 0 and json.loads(out)["broken_states"] == 0
         p1.log.clear()
-        assert {complete(base)[1] for _ in range(3)} == {"d0:decode-after-p0"} and p1.log == []
+        assert {complete(base)[1] for _i in range(3)} == {"d0:decode-after-p0"} and p1.log == []
 
         # Decode out while a request is in flight on it: the request completes; whole requests go to the
         # prefill pool as regular workers.
@@ -275,19 +275,19 @@ def test_igw_drain_fallback_and_return_with_the_tool():
         t.start()
         time.sleep(0.3)
         colo = [(p0.url, "regular"), (p1.url, "regular")]
-        rc, out, _ = tool(base, "set", "--workers", "-", stdin=wanted(colo))
+        rc, out, _err = tool(base, "set", "--workers", "-", stdin=wanted(colo))
         rep = json.loads(out)
         assert rc == 0 and rep["broken_states"] == 1 and rep["window_ms"] < 1000
         t.join(30)
         assert result["r"] == (200, "d0:decode-after-p0")
         d0.log.clear()
-        assert {complete(base)[1] for _ in range(4)} == {"p0:whole", "p1:whole"} and d0.log == []
+        assert {complete(base)[1] for _i in range(4)} == {"p0:whole", "p1:whole"} and d0.log == []
 
         # Back to P/D.
-        rc, out, _ = tool(base, "set", "--workers", "-", stdin=wanted(pd))
+        rc, out, _err = tool(base, "set", "--workers", "-", stdin=wanted(pd))
         assert rc == 0 and json.loads(out)["broken_states"] == 1
-        assert {complete(base)[1] for _ in range(4)} == {"d0:decode-after-p0", "d0:decode-after-p1"}
-        rc, out, _ = tool(base, "list")
+        assert {complete(base)[1] for _i in range(4)} == {"d0:decode-after-p0", "d0:decode-after-p1"}
+        rc, out, _err = tool(base, "list")
         assert rc == 0 and json.loads(out)["routable"] == {"m": True}
 
 

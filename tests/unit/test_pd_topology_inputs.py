@@ -217,7 +217,7 @@ def test_memory_fraction_and_token_counts_both_ways():
 
 def test_env_file_refuses_carriage_return_at_render_time_too():
     # check_env_dict is shared with build_env, so vllm_instance refuses it at deploy as well.
-    hosts, recipe, _ = base()
+    hosts, recipe, _sla = base()
     recipe["pd_vllm_env"]["X"] = "1\r"
     with pytest.raises(pd_recipe.RecipeError, match="carriage return"):
         pd_recipe.build_env(recipe, inst(hosts, "b300-01", "prefill-a"), "192.0.2.11")
@@ -271,7 +271,7 @@ def test_validate_playbook_passes_every_listener_with_its_role_default():
     play = yaml.safe_load((ROOT / "playbooks" / "validate.yml").read_text())[0]
     assert play["tasks"][0]["block"][0]["b300.pd.pd_topology"] in (None, {})  # services, inventory: all gathered
     assert not [name for name, value in play["vars"].items() if isinstance(value, list | dict)], play["vars"]
-    fields = {(VIEW_VARS[field], field) for _, field, _ in LISTENERS}
+    fields = {(VIEW_VARS[field], field) for _group, field, _what in LISTENERS}
     assert fields >= {("pd_router", "pd_router_port"), ("pd_frontdoor", "pd_frontdoor_metrics_port"),
                       ("observability", "observability_prometheus_port"), ("node_exporter", "node_exporter_port")}
     defaults = role_defaults()

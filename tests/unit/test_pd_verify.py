@@ -260,7 +260,7 @@ def test_instance_down_is_named_and_later_steps_do_not_run(cluster):
     assert rep["steps"]["sla"]["skipped"] and not rep["steps"]["sla"]["ok"]
     assert rep["failures"] == errs  # the cause once, not one line per step that did not run
     assert "| sla | not run |" in pv.render_markdown(rep)
-    assert not any(p == "/v1/completions" for _, p, _ in cluster.st.requests)
+    assert not any(p == "/v1/completions" for _name, p, _body in cluster.st.requests)
 
 
 def test_wrong_model_and_unhealthy_router_are_named(cluster):

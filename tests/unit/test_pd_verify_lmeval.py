@@ -29,8 +29,6 @@ LM_EVAL = Path(os.environ.get("PD_LMEVAL", ROOT / ".cache" / "lmeval-venv" / "bi
 KEY = "k" * 64
 
 
-
-
 def params(inv_name, **over):
     """The module's parameters as tasks/accuracy.yml renders them from an inventory's verify.yml + role defaults."""
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
@@ -67,7 +65,7 @@ def test_b300_inventory_argv_asks_chat_turns_with_thinking_off():
     assert opt(argv, "--tasks") == "pd_smoke_qa" and "--limit" not in argv
     assert json.loads(opt(argv, "--model_args"))["base_url"] == "http://192.0.2.13:8000/v1/chat/completions"
     assert json.loads(opt(argv, "--gen_kwargs")) == {"chat_template_kwargs": {"enable_thinking": False},
-                                                    "max_gen_toks": 64}
+                                                     "max_gen_toks": 64}
 
 
 def test_argv_carries_no_key_and_the_environment_does():

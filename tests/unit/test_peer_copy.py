@@ -171,17 +171,17 @@ def test_the_old_absolute_path_does_not_pass_rrsync(seed, tmp_path):
 
 @pytest.mark.parametrize("remote", ["../secret", "/../secret", "../.staging", "/etc/passwd"])
 def test_a_peer_cannot_read_outside_the_revisions(seed, tmp_path, remote):
-    rc, _, err = _run(["rsync", "-e", "ssh", "--", f"root@seed:{remote}", str(tmp_path / "got")])
+    rc, _out, err = _run(["rsync", "-e", "ssh", "--", f"root@seed:{remote}", str(tmp_path / "got")])
     assert rc != 0, err
     assert not (tmp_path / "got").exists()
 
 
 def test_a_peer_cannot_write_or_delete(seed, tmp_path):
     (tmp_path / "evil").write_text("planted")
-    rc, _, err = _run(["rsync", "-e", "ssh", "--", str(tmp_path / "evil"), "root@seed:r1/evil"])
+    rc, _out, err = _run(["rsync", "-e", "ssh", "--", str(tmp_path / "evil"), "root@seed:r1/evil"])
     assert rc != 0 and "read-only" in err, err
     assert not (seed / "revisions" / "r1" / "evil").exists()
-    rc, _, err = _run(["rsync", "-r", "--delete", "-e", "ssh", "--", f"{tmp_path}/empty/", "root@seed:r1/"])
+    rc, _out, err = _run(["rsync", "-r", "--delete", "-e", "ssh", "--", f"{tmp_path}/empty/", "root@seed:r1/"])
     assert rc != 0
     assert (seed / "revisions" / "r1" / "model.safetensors").exists()
 

@@ -70,7 +70,7 @@ def runs(tmp_path_factory):
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = {}
     for name, p in procs.items():
-        text, _ = p.communicate(timeout=120)
+        text, _stderr = p.communicate(timeout=120)
         # the yaml callback wraps long lines: compare on whitespace-collapsed text
         out[name] = (p.returncode, " ".join(text.split()))
     return out
@@ -118,7 +118,6 @@ def test_h200_capture_fails_b300_inventory_naming_product_count_fabric(runs):
     assert "- b300-01: GPU 0 (00000000:00:06.0): NVLink fabric state N/A / status N/A, need Completed / Success" in out
     assert "- b300-01: GPU 0 (00000000:00:06.0): no active NVLink link" in out
     assert "found no NVIDIA GPU" not in out
-
 
 
 def test_gpu_check_capture_writes_what_nvidia_smi_prints(tmp_path):

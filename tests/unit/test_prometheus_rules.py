@@ -31,7 +31,6 @@ PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 INVENTORIES = ("local", "b300")
 
 
-
 def needs_promtool(fn):
     """promtool is required, not optional: scripts/bootstrap installs Debian's prometheus. Missing -> the tests fail."""
     return fn
@@ -102,7 +101,7 @@ def role_vars(inv_name: str, host: str | None = None, overrides: dict | None = N
     env = jinja2.nativetypes.NativeEnvironment(undefined=jinja2.StrictUndefined)
     _filters(env)
     pending = dict(defaults)
-    for _ in range(len(pending) + 1):
+    for _round in range(len(pending) + 1):
         progress = False
         for k, v in list(pending.items()):
             if isinstance(v, str) and "{{" in v:
@@ -124,7 +123,7 @@ def render_template(name: str, ctx: dict) -> str:
     """Render roles/observability/templates/<name> like ansible.builtin.template (honours a `#jinja2:` header)."""
     src = (ROLE / "templates" / name).read_text()
     opts: dict = {}
-    first, _, rest = src.partition("\n")
+    first, _sep, rest = src.partition("\n")
     if first.startswith("#jinja2:"):
         for m in re.finditer(r'(\w+)\s*:\s*"([^"]*)"', first[len("#jinja2:"):]):
             opts[m.group(1)] = m.group(2)
@@ -523,7 +522,7 @@ def build_tests(ctx: dict) -> list[dict]:
             {"eval_time": "4m", "alertname": "VllmRSSCollectorStale", "exp_alerts": []},
             {"eval_time": "25m", "alertname": "VllmRSSCollectorStale",
              "exp_alerts": [{"exp_labels": {**warn, **nmiss}},
-                            {"exp_labels": {**warn, **{k: v for k, v in nstale.items()}}}]},
+                            {"exp_labels": {**warn, **dict(nstale)}}]},
         ],
     })
     return tests

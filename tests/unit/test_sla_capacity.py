@@ -81,11 +81,11 @@ def test_search_finds_knee_to_precision_with_few_points(capacity, precision):
     # doubling/halving to the bracket, then log2(ln 2 / ln(1+p)) bisections: bounded, not a sweep
     bracket = abs(math.log2(knee / 0.5)) + 2
     assert len(points) <= bracket + math.ceil(math.log2(math.log(2) / math.log1p(precision))) + 1
-    assert [r for r, _ in points] == calls
+    assert [r for r, _passed in points] == calls
 
 
 def test_search_stops_at_max_points():
-    found, _, points = capacity_search(lambda r: r < 1000.0, 0.5, 0.01, 0.01, max_points=5)
+    found, _fail, points = capacity_search(lambda r: r < 1000.0, 0.5, 0.01, 0.01, max_points=5)
     assert len(points) == 5
     assert found == 8.0  # 0.5 1 2 4 8 all pass; no failing rate found within the budget
 
@@ -353,7 +353,7 @@ def test_a_failed_rate_is_measured_again_and_fails_only_if_every_point_fails(tmp
     assert (256, 2.0, 2) in seen  # measured again after the disturbed point
     assert ctx["max_rate"] < 5.0 < ctx["fail_rate"] and ctx["max_rate"] >= 4.0  # not stopped at 1 req/s
     # every failing rate was confirmed: the rates above capacity were each measured twice
-    assert all((256, r, 2) in seen for (_, r, att) in seen if r >= 5.0 and att == 1)
+    assert all((256, r, 2) in seen for (_ctx, r, att) in seen if r >= 5.0 and att == 1)
     assert rep["params"]["confirm_failures"] == 1
     assert "(again)" in (tmp_path / "out" / "report.md").read_text()
     # --confirm-failures 0: the disturbed point decides (the search stops below 2 req/s)
@@ -362,7 +362,7 @@ def test_a_failed_rate_is_measured_again_and_fails_only_if_every_point_fails(tmp
                           str(tmp_path / "out0"))) == 0
     rep0 = json.loads((tmp_path / "out0" / "report.json").read_text())
     assert rep0["contexts"][0]["max_rate"] < 2.0
-    assert not any(att > 1 for (_, _, att) in seen)
+    assert not any(att > 1 for (_ctx, _rate, att) in seen)
 
 
 @pytest.mark.parametrize("passes,fails,repeats,verdict", [

@@ -101,7 +101,7 @@ def test_eval_set_is_held_out_and_checkable(model_dir):
     assert len(items) >= 100
     report = _json(model_dir / "train_report.json")
     train, held = mtm.split_items(report["seed"], report["eval_items"])
-    train_triples = {t for _, t in train}
+    train_triples = {t for _task, t in train}
     for it in items:
         assert set(it) >= {"prompt", "question", "answer", "task"}
         words = tuple(it["question"].split()[1:])

@@ -38,7 +38,7 @@ def _units():
         for host, hv in inv["hosts"].items():
             for inst in hv["pd_instances"]:
                 unit = pd_unit.render_unit(inv["recipe"], inst, PYTHON, "vllm",
-                                             vllm_package=inv["group_vars"]["pd_vllm_package"])
+                                           vllm_package=inv["group_vars"]["pd_vllm_package"])
                 out.append(pytest.param(inv["recipe"], inst, unit, id=f"{name}/{host}/{inst['name']}"))
     return out
 
@@ -82,11 +82,11 @@ def test_unit_exposure_is_at_most_2_5(tmp_path, recipe, inst, unit):
 @pytest.mark.skipif(not _analyzer_supports_offline(), reason="systemd-analyze without security --offline")
 def test_exposure_check_can_fail(tmp_path):
     """The measurement is real: the same unit without its sandbox scores far above 2.5."""
-    _, inst, unit = UNITS[0].values
+    _recipe, inst, unit = UNITS[0].values
     bare = "\n".join(x for x in unit.splitlines()
                      if x.split("=", 1)[0] not in {d.split("=", 1)[0] for d in pd_unit.UNIT_SANDBOX}
                      and not x.startswith(("DeviceAllow=", "ReadWritePaths="))) + "\n"
-    score, rc, _ = exposure(bare, tmp_path)
+    score, rc, _stdout = exposure(bare, tmp_path)
     assert score > MAX_EXPOSURE and rc != 0
 
 

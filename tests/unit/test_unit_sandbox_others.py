@@ -108,7 +108,8 @@ def trees(tmp_path_factory):
             "vars": extra,
             "delegate_to": "localhost",
         } for tree, h, role, src, dest, extra in RENDERS if h == host]
-        dirs = sorted({f"{out}/{tree}{os.path.dirname(dest)}" for tree, h, _, _, dest, _ in RENDERS if h == host})
+        dirs = sorted({f"{out}/{tree}{os.path.dirname(dest)}"
+                       for tree, h, _role, _src, dest, _extra in RENDERS if h == host})
         plays.append({
             "name": f"Render the sandboxed units of {host}", "hosts": host, "connection": "local",
             "gather_facts": False,
@@ -161,7 +162,7 @@ def _settings(text):
 
 
 @needs_analyzer
-@pytest.mark.parametrize(("tree", "unit", "dist"), UNITS, ids=[f"{t}/{u}" for t, u, _ in UNITS])
+@pytest.mark.parametrize(("tree", "unit", "dist"), UNITS, ids=[f"{t}/{u}" for t, u, _dist in UNITS])
 def test_unit_exposure_is_at_most_2_5(trees, tmp_path, tree, unit, dist):
     root = _root_with_dist_unit(trees, tree, unit, dist, tmp_path)
     score, rc, report = exposure(root, unit)
@@ -176,11 +177,11 @@ def test_the_distribution_unit_alone_scores_above_2_5(trees, tmp_path, tree, uni
     """The measurement is real: without the drop-in the same unit fails the threshold."""
     root = _root_with_dist_unit(trees, tree, unit, dist, tmp_path)
     (root / "etc/systemd/system" / f"{unit}.d" / DROPIN).unlink()
-    score, rc, _ = exposure(root, unit)
+    score, rc, _stdout = exposure(root, unit)
     assert score > MAX_EXPOSURE and rc != 0
 
 
-@pytest.mark.parametrize(("tree", "unit", "dist"), UNITS, ids=[f"{t}/{u}" for t, u, _ in UNITS])
+@pytest.mark.parametrize(("tree", "unit", "dist"), UNITS, ids=[f"{t}/{u}" for t, u, _dist in UNITS])
 def test_every_unit_keeps_what_it_needs_to_run(trees, tree, unit, dist):
     """The directives that would break a start are the reviewed ones (docs/security.md, per unit)."""
     root = trees / tree

@@ -85,7 +85,7 @@ def topologies(draw):
     recipe = copy.deepcopy(BASE["recipe"])
     sla = dict(BASE["group_vars"]["pd_sla"])
     services = copy.deepcopy(SERVICES)
-    for _ in range(draw(st.integers(1, 4))):
+    for _i in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(
             ["instance", "instance", "port-clash", "flag", "flag", "env", "recipe", "host", "hostvars", "sla",
              "service", "host-key", "kv-role", "whole"]))

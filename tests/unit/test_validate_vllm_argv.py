@@ -140,14 +140,14 @@ def test_hostile_copy_gets_every_problem_named_from_one_parser_process(hostile_i
     result, failed = _run(monkeypatch, hostile_inventory)
     assert failed, result
     problems = result["problems"]
-    for (host, name), (_, expected) in {**PARSER_CASES, **RENDERER_CASES}.items():
+    for (host, name), (_flags, expected) in {**PARSER_CASES, **RENDERER_CASES}.items():
         mine = [p for p in problems if p.startswith(f"host {host}, instance {name}")]
         for text in expected:
             assert any(text in p for p in mine), (host, name, text, mine)
     # Each problem belongs to a hostile instance: the other instances' argvs (the recipe's) parse.
     hostile = {f"host {h}, instance {i}" for h, i in {**PARSER_CASES, **RENDERER_CASES}}
     assert all(any(p.startswith(h) for h in hostile) for p in problems), problems
-    hosts, _, _ = module_input(hostile_inventory)
+    hosts, _recipe, _version = module_input(hostile_inventory)
     total = sum(len(hv["pd_instances"]) for hv in hosts.values())
     assert result["instances"] == total - len(RENDERER_CASES) > SERVERS
     assert len(parser_runs) == 1, f"{len(parser_runs)} parser processes for {result['instances']} instances"
@@ -159,7 +159,7 @@ def test_real_inventories_parse(name, monkeypatch, parser_runs):
     result, failed = _run(monkeypatch, ROOT / "inventory" / name)
     assert not failed, result.get("msg")
     assert result["problems"] == []
-    hosts, _, pinned = module_input(ROOT / "inventory" / name)
+    hosts, _recipe, pinned = module_input(ROOT / "inventory" / name)
     assert result["instances"] == sum(len(h["pd_instances"]) for h in hosts.values())
     assert result["vllm_version"].split("+")[0] == pinned
     assert len(parser_runs) == 1
@@ -195,7 +195,7 @@ def test_cache_skips_the_parser_for_an_accepted_set_and_never_records_a_rejectio
     # a rejected set is never recorded: parsed every time
     bad_hosts = json.loads(json.dumps(hosts))
     bad_hosts[next(iter(hosts))]["pd_instances"][0]["extra_flags"] = {"no-such-vllm-flag": 1}
-    for _ in range(2):
+    for _attempt in range(2):
         res, failed = run_module(MODULE.main, dict(args, hosts=bad_hosts), monkeypatch=monkeypatch)
         assert failed and "no-such-vllm-flag" in res["msg"]
     assert len(runs) == 4
@@ -234,7 +234,7 @@ def test_validate_playbook_refuses_what_only_vllms_parser_knows(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "Validate the topology (fails once, one line per problem)" in out and "TASK [Parse every instance" in out
-    for (host, name), (_, expected) in PARSER_CASES.items():
+    for (host, name), (_flags, expected) in PARSER_CASES.items():
         flag = expected[0].split("flag ", 1)[1].split(":")[0]
         assert f"host {host}, instance {name}, flag {flag}" in out, out[-3000:]
 

@@ -134,7 +134,7 @@ def test_validate_cache_skips_the_parser_until_the_argv_or_the_venv_changes(env,
     assert len(calls) == 2
     # pip changed the venv (a package replaced): the old entries miss
     (sp / "vllm-0.32.0.dist-info").rename(sp / "vllm-0.33.0.dist-info")
-    res, _ = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
     assert len(calls) == 3 and not res["flags_validation_cached"]
 
 
@@ -207,39 +207,39 @@ def test_check_mode_writes_nothing_and_reports_diff(env, monkeypatch):
 
 
 def test_restart_required_semantics(env, monkeypatch):
-    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
     Path(res["pending_path"]).unlink()
     # permission drift: changed, but the running process config is the same -> no restart
     os.chmod(env_file(env), 0o644)
-    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["changed"] and not res["restart_required"]
     assert stat.S_IMODE(os.stat(env_file(env)).st_mode) == 0o640
     # env-only change -> restart
     args = dict(env["args"])
     args["instance"] = dict(args["instance"], extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-    res, _ = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["changed"] and res["restart_required"]
     Path(res["pending_path"]).unlink()
     assert [d["after_header"] for d in res["diff"]] == [str(env_file(env))]
     assert "+VLLM_CPU_OMP_THREADS_BIND" not in res["diff"][0]["before"]
     # flag change -> restart, unit diff shows old and new
     args["instance"] = dict(args["instance"], extra_flags={"max-num-seqs": 8})
-    res, _ = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["restart_required"]
     d = next(d for d in res["diff"] if d["after_header"] == str(unit_file(env)))
     assert "--max-num-seqs" not in d["before"] and "--max-num-seqs 8" in d["after"]
 
 
 def test_restart_owed_by_a_failed_run_survives(env, monkeypatch):
-    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
     marker = Path(res["pending_path"])
     assert marker.parent == env["tmp"] / "etc-vllm" and marker.exists()
     # the play died before the restart: the next run, with nothing to write, still owes the restart
-    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert not res["changed"] and res["restart_required"]
     # the role removes the marker once the instance runs the new config
     marker.unlink()
-    res, _ = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert not res["changed"] and not res["restart_required"]
 
 
@@ -464,7 +464,7 @@ def test_record_pins_the_revision_and_keeps_the_running_state_for_rollback(env, 
     unit_v1, rec_v1 = unit_file(env).read_text(), Path(res["record_path"]).read_text()
 
     _switch(served["link"], "rev2")
-    res, _ = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["restart_required"] and res["record"]["model_revision"] == "rev2"
     assert res["record"]["compat_key"] != json.loads(rec_v1)["compat_key"]  # never paired across revisions
     assert res["running_record"]["model_revision"] == "rev1"
@@ -482,7 +482,7 @@ def test_record_pins_the_revision_and_keeps_the_running_state_for_rollback(env, 
     # a second run before the restart (the first play failed): the rollback target stays what RUNS (rev1)
     _switch(served["link"], "rev1")
     args2 = dict(args, instance=dict(args["instance"], extra_flags={"max-num-seqs": 8}))
-    res, _ = run_module(vllm_instance.main, args2, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args2, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["restart_required"] and res["running_record"]["model_revision"] == "rev1"
     assert (rollback / "prefill-0.service").read_text() == unit_v1
 
@@ -491,24 +491,24 @@ def test_reverting_a_change_whose_restart_never_came_owes_no_restart(env, served
     """A change written, its restart failed (pending marker left), the inventory reverted: the render equals what
     the process runs (the saved previous state), so the files go back and no restart is owed."""
     args = served["args"]
-    res, _ = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
     Path(res["pending_path"]).unlink()  # v1 runs
     unit_v1 = unit_file(env).read_text()
     changed = dict(args, instance=dict(args["instance"], extra_flags={"max-num-seqs": 8}))
-    res, _ = run_module(vllm_instance.main, changed, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, changed, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["restart_required"] and Path(res["pending_path"]).exists()  # v2 written, restart owed
 
     res, failed = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert not failed, res
     assert res["back_to_running"] and res["changed"] and not res["restart_required"]
     assert unit_file(env).read_text() == unit_v1 and not Path(res["pending_path"]).exists()
-    res, _ = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert not res["changed"] and not res["restart_required"] and not res["back_to_running"]
 
     # a third state while v2 is pending is still a change of what runs (v1): restart owed
     run_module(vllm_instance.main, changed, run_command=ok_parser([]), monkeypatch=monkeypatch)
     third = dict(args, instance=dict(args["instance"], extra_flags={"max-num-seqs": 4}))
-    res, _ = run_module(vllm_instance.main, third, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, third, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["restart_required"] and not res["back_to_running"] and Path(res["pending_path"]).exists()
 
 
@@ -559,10 +559,10 @@ def test_a_change_of_plugin_code_changes_the_record_and_owes_a_restart(env, monk
     first = res["record"]["plugins"]
     assert list(first) == ["pd_shm_notify"] and len(first["pd_shm_notify"]) == 16
     Path(res["pending_path"]).unlink()
-    res, _ = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert not res["changed"] and not res["restart_required"]  # same code: nothing to do
     _plugin(site, "pd_shm_notify", "def register():\n    return 1\n")
-    res, _ = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    res, _failed = run_module(vllm_instance.main, args, diff=True, run_command=ok_parser([]), monkeypatch=monkeypatch)
     assert res["changed"] and res["restart_required"]
     assert res["record"]["plugins"]["pd_shm_notify"] != first["pd_shm_notify"]
     assert [d["after_header"] for d in res["diff"]] == [res["record_path"]]  # only the record: unit and env same

@@ -176,7 +176,7 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     p.add_argument("--output", required=True, help="the .prom file to write (in the textfile collector dir)")
     p.add_argument("--proc", default="/proc", help="procfs root (tests point this at a fixture tree)")
     p.add_argument("names", nargs="+", help="vLLM instance names (units vllm-NAME.service)")

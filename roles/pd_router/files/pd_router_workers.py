@@ -124,7 +124,7 @@ def plan(current, wanted):
                 cand = (nb, nl, (*order, i))
                 if nmask not in best or cand[:2] < best[nmask][:2]:
                     best[nmask] = cand
-    broken, _, order = best[full]
+    broken, _late, order = best[full]
     return [ops[i] for i in order], broken
 
 
@@ -254,10 +254,10 @@ def cmd_set(args, router):
     wanted = parse_wanted(json.loads(raw), args.model)
     if args.wait:
         router.wait_live(args.wait)
-    current, _ = router.registry()
+    current, _workers = router.registry()
     ops, broken = plan(current, wanted)
     models = [m for m, ok in routable(wanted).items() if ok]
-    unroutable = sorted({m for _, m in wanted.values()} - set(models))
+    unroutable = sorted({m for _kind, m in wanted.values()} - set(models))
     report = {
         "changed": bool(ops), "ops": [list(o) for o in ops], "broken_states": broken,
         "before": {u: list(v) for u, v in sorted(current.items())},
@@ -266,7 +266,7 @@ def cmd_set(args, router):
     }
     if ops and not args.dry_run:
         report["window_ms"] = execute(router, ops, current, models)
-        after, _ = router.registry()
+        after, _workers = router.registry()
         if after != wanted:
             raise RouterError(f"registry after the changes differs from the wanted one: {after} != {wanted}")
     print(json.dumps(report, sort_keys=True))
@@ -276,7 +276,7 @@ def cmd_set(args, router):
 def cmd_list(args, router):
     if args.wait:
         router.wait_live(args.wait)
-    _, workers = router.registry()
+    _registry, workers = router.registry()
     print(json.dumps({"workers": workers, "routable": routable({w["url"]: (w["worker_type"], w.get("model_id"))
                                                                 for w in workers})}, sort_keys=True))
     return 0
@@ -314,7 +314,7 @@ def cmd_many(args, urls):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="pd-router-workers", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="pd-router-workers", description=__doc__.split("\n\n", maxsplit=1)[0])
     ap.add_argument("--router", action="append", help="router base URL (repeat for several routers; "
                     "default http://127.0.0.1:8000)")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request")

@@ -156,7 +156,7 @@ def metric_sum(samples, name, /, **label_filter):
 
 def metric_names(samples, pattern):
     rx = re.compile(pattern)
-    return sorted({n for n, _, _ in samples if rx.search(n)})
+    return sorted({n for n, _labels, _value in samples if rx.search(n)})
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -168,7 +168,7 @@ _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo l
 def word_prompt(n_words, seed):
     """n_words random words (about 1.0-1.3 tokens each), reproducible from seed."""
     rng = random.Random(seed)  # noqa: S311 - reproducible filler text, not crypto
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, n_words)))
+    return " ".join(rng.choice(_WORDS) for _word in range(max(1, n_words)))
 
 
 class PromptMaker:
@@ -219,7 +219,7 @@ def check_endpoint(name, base_url, model, *, retries=30, delay=5.0, timeout=10.0
     """One server: /health 200 and /v1/models lists ``model``. Returns a dict with ok and error."""
 
     def probe():
-        st, _ = http_get(base_url + "/health", timeout=timeout, api_key=api_key)
+        st, _body = http_get(base_url + "/health", timeout=timeout, api_key=api_key)
         if st != 200:
             raise HttpError(f"GET {base_url}/health: HTTP {st}")
         st, body = http_get(base_url + "/v1/models", timeout=timeout, api_key=api_key)
@@ -313,11 +313,11 @@ def step_warmup(cfg, prompts, sleep=time.sleep):
 
         with ThreadPoolExecutor(max_workers=conc) as ex:
             results = [f.result() for f in [ex.submit(one, i) for i in range(conc)]]
-        errs = [final for _, final in results if final]
+        errs = [final for _first, final in results if final]
         retried += [f"warmup concurrency {conc}: {first}" for first, final in results if first and not final]
         runs.append({"kind": "batch", "concurrency": conc, "context_tokens": base_count,
                      "seconds": round(time.perf_counter() - t0, 3), "errors": len(errs),
-                     "retried": sum(1 for first, _ in results if first)})
+                     "retried": sum(1 for first, _final in results if first)})
         errors += [f"warmup concurrency {conc}: {e}" for e in errs]
     for n, length in enumerate(lengths):
         prompt, count = prompts.make(length, 100 + n)
@@ -392,7 +392,7 @@ def step_kv_transfer(cfg, prompts):
             pd = _completion(router, model, prompt, int(k["max_tokens"]), cfg, extra={"ignore_eos": True})
             co = _completion(direct["url"], model, prompt, int(k["max_tokens"]), cfg, extra={"ignore_eos": True})
             pd_ids, basis, pd_text = _token_ids(pd, tokenize)
-            co_ids, _, co_text = _token_ids(co, tokenize)
+            co_ids, _co_basis, co_text = _token_ids(co, tokenize)
         except HttpError as e:
             case["error"] = str(e)
             errors.append(f"prompt {n}: {e}")
@@ -499,7 +499,7 @@ def run_bench(url, model, prompts_list, output_len, concurrency, *, api_key=None
                 records[i] = {"error": str(e)}
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, concurrency))]
+    threads = [threading.Thread(target=worker, daemon=True) for _worker in range(max(1, concurrency))]
     for t in threads:
         t.start()
     for t in threads:

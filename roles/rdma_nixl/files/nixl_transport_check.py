@@ -150,7 +150,7 @@ def main():
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             report["loaded_twice"] = loaded_twice(f.read(), os.path.realpath(libdir))
         report["resources"] = [f"{tl}/{dev}" for tl, dev in resources]
-        transports = sorted({tl for tl, _ in resources})
+        transports = sorted({tl for tl, _dev in resources})
         report["transports"] = transports
         missing = missing_transports(report["ucx_tls"], transports)
         report["missing"] = missing
