@@ -113,7 +113,6 @@ pids:
 
 import json  # noqa: E402
 import os  # noqa: E402
-import sys  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402 (community.general layout)
 from ansible_collections.b300.pd.plugins.module_utils.pd_async import (  # noqa: E402
@@ -142,10 +141,10 @@ def emit_job_result(module, jid, results_file, data):
     """Hand back the job's own result as this task's, as async_status does."""
     drop_results_file(module, results_file)
     data = dict(data, ansible_job_id=jid, results_file=results_file, state=FINISHED, started=True, finished=True)
-    # The module already shaped (and no_log-masked) this result: print it as is, like async_status, instead of
-    # passing it through exit_json a second time.
-    print(f"\n{json.dumps(data)}")
-    sys.exit(0)
+    # The job's module already shaped (and no_log-masked) this result: write it as is and exit, exactly as
+    # ansible-core's async_status does, instead of passing it through exit_json a second time.
+    print(f"\n{json.dumps(data)}")  # pylint: disable=ansible-bad-function
+    raise SystemExit(0)
 
 
 def run_module():

@@ -12,9 +12,9 @@ description:
   - Writes the eval items to C(pd_verify_accuracy.jsonl) in O(workdir), runs C(lm_eval run) there with its
     OpenAI-compatible model (C(local-completions), or C(local-chat-completions) with C(--apply_chat_template)
     when O(chat)) against O(base_url), and compares the task's O(metric) with O(min_score).
-  - The tasks shipped with roles/pd_verify (C(tiny_pd), C(pd_smoke_qa), under C(files/lm_eval_tasks)) read that
-    file from lm_eval's working directory, so they need no download; any other lm_eval task (O(include_path)
-    or built in) works too where its data set can be reached.
+  - The tasks shipped with roles/pd_verify (C(tiny_pd), C(pd_smoke_qa) in C(templates/lm_eval_tasks), which the role
+    renders into O(include_path)) read that file from lm_eval's working directory, so they need no download; any
+    other lm_eval task (O(include_path) or built in) works too where its data set can be reached.
   - The API key goes to lm_eval in its environment (C(OPENAI_API_KEY), which its local models send as
     C(Authorization Bearer)), never in its argv; it is masked in everything the module returns.
   - Returns the accuracy step of the verify report in RV(accuracy) and writes it to C(accuracy.json) in
@@ -123,7 +123,7 @@ EXAMPLES = r"""
     base_url: http://10.237.0.13:8000
     model: tiny-pd
     task: tiny_pd
-    include_path: "{{ role_path }}/files/lm_eval_tasks"
+    include_path: "{{ pd_verify_control_dir }}/lm_eval_tasks"
     items_jsonl: "{{ eval_raw.content | b64decode }}"
     max_items: 30
     max_tokens: 12

@@ -1,4 +1,5 @@
-"""roles/pd_verify's accuracy step: lm-evaluation-harness (module pd_verify_lmeval, tasks in files/lm_eval_tasks).
+"""roles/pd_verify's accuracy step: lm-evaluation-harness (module pd_verify_lmeval, tasks in
+templates/lm_eval_tasks).
 
 Pure parts (items, argv from both inventories, results parsing, scoring, report merge) in-process; then the real
 lm_eval of .cache/lmeval-venv (scripts/bootstrap.d/47-lm-eval; PD_LMEVAL names another one) run by the module's
@@ -8,13 +9,17 @@ wrong answers lower the score and fail the threshold, chat mode sends the chat_t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import shutil
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import jinja2
 import pytest
 import yaml
 from ansible_collections.b300.pd.plugins.modules import pd_verify_lmeval as lm
@@ -24,9 +29,21 @@ from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory, ru
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "pd_verify"
-TASKS_DIR = ROLE / "files" / "lm_eval_tasks"
+TEMPLATES = ROLE / "templates" / "lm_eval_tasks"
 LM_EVAL = Path(os.environ.get("PD_LMEVAL", ROOT / ".cache" / "lmeval-venv" / "bin" / "lm_eval"))
 KEY = "k" * 64
+
+
+@functools.cache
+def shipped_tasks() -> Path:
+    """The shipped lm_eval tasks as tasks/accuracy.yml writes them: the templates rendered as Ansible renders them
+    (Jinja2 with trim_blocks), beside files/lm_eval_tasks/pd_scoring.py."""
+    out = Path(tempfile.mkdtemp(prefix="pd-lm-eval-tasks-"))
+    env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, autoescape=False)  # noqa: S701 - YAML
+    for template in TEMPLATES.glob("*.yaml.j2"):
+        (out / template.name.removesuffix(".j2")).write_text(env.from_string(template.read_text()).render())
+    shutil.copy(ROLE / "files" / "lm_eval_tasks" / "pd_scoring.py", out)
+    return out
 
 
 def params(inv_name, **over):
@@ -34,7 +51,8 @@ def params(inv_name, **over):
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
     gv = {**defaults, **load_inventory(inv_name)["group_vars"]}
     p = {"lm_eval": "/repo/.cache/lmeval-venv/bin/lm_eval", "base_url": "http://10.237.0.13:8000", "model": "m",
-         "task": gv["pd_verify_accuracy_task"], "include_path": str(TASKS_DIR), "chat": gv["pd_verify_accuracy_chat"],
+         "task": gv["pd_verify_accuracy_task"], "include_path": str(shipped_tasks()),
+         "chat": gv["pd_verify_accuracy_chat"],
          "max_items": gv["pd_verify_accuracy_max_items"], "max_tokens": gv["pd_verify_accuracy_max_tokens"],
          "gen_kwargs": gv["pd_verify_accuracy_gen_kwargs"], "concurrency": gv["pd_verify_accuracy_concurrency"],
          "request_timeout_s": gv["pd_verify_request_timeout_s"], "timeout_s": gv["pd_verify_accuracy_timeout_s"]}
@@ -55,7 +73,7 @@ def test_local_inventory_argv_runs_tiny_pd_as_completions_limited():
     assert margs == {"model": "m", "base_url": "http://10.237.0.13:8000/v1/completions", "num_concurrent": 2,
                      "max_retries": 3, "timeout": 600, "tokenizer_backend": None, "tokenized_requests": False}
     assert json.loads(opt(argv, "--gen_kwargs")) == {"max_gen_toks": 12}
-    assert opt(argv, "--limit") == "30" and opt(argv, "--include_path") == str(TASKS_DIR)
+    assert opt(argv, "--limit") == "30" and opt(argv, "--include_path") == str(shipped_tasks())
     assert "--apply_chat_template" not in argv and opt(argv, "--output_path") == "/w/out"
 
 
@@ -103,7 +121,7 @@ def test_shipped_tasks_read_the_file_the_module_writes():
 
     Loader.add_constructor("!function", lambda loader, node: f"!function {node.value}")
     for task, fn in (("tiny_pd", "process_results_prefix"), ("pd_smoke_qa", "process_results_contains")):
-        cfg = yaml.load((TASKS_DIR / f"{task}.yaml").read_text(), Loader=Loader)  # noqa: S506 - SafeLoader subclass
+        cfg = yaml.load((shipped_tasks() / f"{task}.yaml").read_text(), Loader=Loader)  # noqa: S506 - SafeLoader subclass
         assert cfg["task"] == task and cfg["dataset_path"] == "json"
         assert cfg["dataset_kwargs"]["data_files"] == {cfg["test_split"]: lm.DATA_FILE}
         assert cfg["process_results"] == f"!function pd_scoring.{fn}" and hasattr(scoring, fn)
