@@ -57,21 +57,14 @@ instances:
 import os  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_files import read_text  # noqa: E402
 from ansible_collections.b300.pd.plugins.module_utils.pd_record import parse_record, pending_marker, running_record_path  # noqa: E402
-
-
-def _read(path):
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        return None
 
 
 def instance_state(env_dir, name):
     """What instance `name` runs now (see DOCUMENTATION)."""
     pending = os.path.exists(pending_marker(env_dir, name))
-    record = parse_record(_read(running_record_path(env_dir, name, pending)))
+    record = parse_record(read_text(running_record_path(env_dir, name, pending)))
     if record is None:
         return {"python": None, "venv": None, "vllm": None, "nixl": None, "key": "unknown", "revision": None,
                 "restart_pending": pending, "source": "none"}
