@@ -18,11 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import (  # noqa: E402
-    VIEW_VARS,
-    cluster_view,
-    view_inputs,
-)
+from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_inputs import view_inventory  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import cluster_view, view_inputs  # noqa: E402
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_role_defaults import role_defaults  # noqa: E402
 
 ANSIBLE_INVENTORY = ROOT / ".venv" / "bin" / "ansible-inventory"
@@ -30,8 +27,8 @@ ANSIBLE_INVENTORY = ROOT / ".venv" / "bin" / "ansible-inventory"
 
 def view_from(groups: dict, hostvars: dict) -> dict:
     """The view from groups (name -> hosts, inventory order) and hostvars (host -> vars, group vars merged)."""
-    own = {h: {k: v for k, v in (hostvars.get(h) or {}).items() if k in VIEW_VARS} for h in groups.get("all", [])}
-    return cluster_view(*view_inputs(groups, own, role_defaults()))
+    inv = view_inventory(groups, hostvars, role_defaults())  # what the pd_topology action plugin passes the module
+    return cluster_view(*view_inputs(inv["groups"], inv["hostvars"], inv["defaults"]))
 
 
 def inventory_data(inventory: str | Path) -> tuple[dict, dict]:
