@@ -7,12 +7,22 @@ script waits for recovery, keeps the load for a settle period, then reports comp
 class), the longest gap without a completion, and the recovery time.
 
     .venv/bin/python bench/pd_faults.py -i inventory/local [--scenarios kill-prefill,kill-decode,...]
-        [--concurrency 2] [--out reports/faults/faults-latest.json]
+        [--concurrency 2 | --rate R [--concurrency CAP]] [--repeats N] [--max-failed 0]
+        [--out reports/faults/faults-latest.json]
+
+Load: closed loop with --concurrency clients (default 2), or with --rate R an open loop at R requests/s (the
+concurrency option, default 64, caps the requests in flight). --repeats N runs the scenario list N times; before
+every scenario the stack must be fully recovered (every instance's /health 200, every P/D router unit's /health 200, a
+completion through the front door), then --ready-settle-s of quiet. The summary counts failed requests per run, per
+scenario and load mode, and in total; exit 1 when the total exceeds --max-failed (default 0) or a scenario could not
+finish.
 
 Scenarios:
   kill-prefill   kill -9 the main process of the first prefill instance (in-flight prefills and KV transfers die);
                  recovered = systemd restarted it and its /health answers 200
-  kill-decode    the same for the first decode instance
+  kill-prefill-unit  systemctl kill -s KILL of the first prefill instance's unit: every process of its cgroup (the
+                 engine core and workers too) dies at once; recovered as kill-prefill
+  kill-decode    the same as kill-prefill for the first decode instance
   kill-router    kill -9 the first P/D router unit of the first router host (the front door's other routers serve);
                  recovered = systemd restarted it and its /health answers 200
   stop-router    systemctl stop that router unit for --router-down-s seconds, then start it; recovered = a
@@ -49,7 +59,8 @@ from ansible_collections.b300.pd.bench.pd_load_config import client_api_key  # n
 from ansible_collections.b300.pd.bench.pd_load_generator import LoadGenerator  # noqa: E402
 
 VENV_BIN = ROOT / ".venv" / "bin"
-SCENARIOS = ("kill-prefill", "kill-decode", "kill-router", "stop-router", "corrupt-shard", "disk-full")
+SCENARIOS = ("kill-prefill", "kill-prefill-unit", "kill-decode", "kill-router", "stop-router", "corrupt-shard",
+             "disk-full")
 FILLER = ".pd-fault-disk-full"
 
 
@@ -111,12 +122,17 @@ def wait_until(pred, timeout: float, interval: float = 2.0) -> float | None:
     return None
 
 
-def kill_instance(stack: Stack, pool: str, timeout: float) -> dict:
+def kill_instance(stack: Stack, pool: str, timeout: float, whole_unit: bool = False) -> dict:
+    """kill -9 of the first `pool` instance's main PID, or (whole_unit) SIGKILL of every process of its unit's
+    cgroup; recovered = systemd restarted it, its /health answers 200 and a completion through the front door."""
     inst = stack.first(pool)
     unit = f"vllm-{inst['name']}.service"
     before = int(stack.run(inst["host"], f"systemctl show -p NRestarts --value {unit}"))
     pid = stack.run(inst["host"], f"systemctl show -p MainPID --value {unit}")
-    stack.run(inst["host"], f"kill -9 {pid}")
+    if whole_unit:
+        stack.run(inst["host"], f"systemctl kill -s KILL {unit}")
+    else:
+        stack.run(inst["host"], f"kill -9 {pid}")
     t0 = time.monotonic()
 
     def healthy_again() -> bool:
@@ -130,7 +146,8 @@ def kill_instance(stack: Stack, pool: str, timeout: float) -> dict:
     recovered = wait_until(healthy_again, timeout, interval=3)
     routed = wait_until(stack.completion_ok, 120) if recovered is not None else None
     return {"instance": inst["name"], "host": inst["host"], "killed_pid": pid,
-            "healthy_after_s": recovered, "routing_after_s": None if routed is None else
+            "killed": "cgroup" if whole_unit else "main_pid", "healthy_after_s": recovered,
+            "routing_after_s": None if routed is None else
             round(time.monotonic() - t0, 1)}
 
 
@@ -225,8 +242,39 @@ def disk_full(stack: Stack, timeout: float) -> dict:
             "recovered_s": round(time.monotonic() - t0, 1)}
 
 
+def stack_ready(stack: Stack) -> bool:
+    """Every vLLM instance's and every P/D router unit's /health answers 200 on its host, and a completion through
+    the front door succeeds."""
+    checks: dict[str, list[int]] = {}
+    for inst in stack.instances:
+        checks.setdefault(inst["host"], []).append(inst["http_port"])
+    for r in stack.cluster.get("routers") or []:
+        checks.setdefault(r["host"], []).extend(u["port"] for u in r.get("units") or [] if u.get("mode") == "pd")
+    for host, ports in checks.items():
+        cmd = "echo " + " ".join(f"$(curl -s -o /dev/null -w '%{{http_code}}' -m 5 http://127.0.0.1:{p}/health)"
+                                 for p in ports)
+        codes = stack.run(host, cmd, check=False).split()
+        if codes != ["200"] * len(ports):
+            return False
+    return stack.completion_ok()
+
+
+def wait_ready(stack: Stack, timeout: float, settle_s: float) -> float | None:
+    """Seconds until the stack was fully recovered (stack_ready), then settle_s of quiet; None on timeout."""
+    took = wait_until(lambda: stack_ready(stack), timeout, interval=3)
+    if took is not None:
+        time.sleep(settle_s)
+    return took
+
+
+def load_mode(args) -> str:
+    return "open" if getattr(args, "rate", None) else "closed"
+
+
 def run_scenario(stack: Stack, name: str, args) -> dict:
-    load = LoadGenerator(url=stack.router_url, model=stack.model, concurrency=args.concurrency,
+    rate = getattr(args, "rate", None)
+    conc = args.concurrency if args.concurrency else (None if rate else 2)
+    load = LoadGenerator(url=stack.router_url, model=stack.model, concurrency=conc, rate=rate,
                          api_key=client_api_key(),
                          max_tokens=args.max_tokens, prompt_words=args.prompt_words, timeout=args.request_timeout,
                          bucket=1.0, max_failed=10**9, min_completed=0)
@@ -236,6 +284,8 @@ def run_scenario(stack: Stack, name: str, args) -> dict:
     try:
         if name == "kill-prefill":
             detail = kill_instance(stack, "prefill", args.recovery_timeout)
+        elif name == "kill-prefill-unit":
+            detail = kill_instance(stack, "prefill", args.recovery_timeout, whole_unit=True)
         elif name == "kill-decode":
             detail = kill_instance(stack, "decode", args.recovery_timeout)
         elif name == "kill-router":
@@ -254,17 +304,79 @@ def run_scenario(stack: Stack, name: str, args) -> dict:
     fault_s = round(time.monotonic() - t_fault, 1)
     time.sleep(args.settle_s)
     rep = load.stop()
-    return {"scenario": name, "fault_and_recovery_s": fault_s, **detail,
+    return {"scenario": name, "load_mode": load_mode(args), "rate": rate, "concurrency": load.cfg.workers,
+            "fault_and_recovery_s": fault_s, **detail,
             "requests": {k: rep[k] for k in ("sent", "completed", "failed", "failures", "unfinished")},
             "longest_completion_gap_s": rep["longest_completion_gap_s"],
             "latency_s": rep["latency_s"], "error_samples": rep["error_samples"]}
 
 
-def main() -> int:
+def summarize(results: list[dict], max_failed: int = 0) -> dict:
+    """Failed requests per run (scenario, load mode), per scenario and load mode, and in total."""
+    by: dict[str, dict] = {}
+    for r in results:
+        key = f"{r['scenario']}/{r.get('load_mode', 'closed')}"
+        e = by.setdefault(key, {"runs": 0, "failed": 0, "sent": 0, "failed_per_run": []})
+        failed = r["requests"]["failed"]
+        e["runs"] += 1
+        e["failed"] += failed
+        e["sent"] += r["requests"]["sent"]
+        e["failed_per_run"].append(failed)
+    total = sum(r["requests"]["failed"] for r in results)
+    errors = [f"{r['scenario']} (run {r.get('run', 1)})" for r in results if "error" in r]
+    return {"runs": len(results), "failed_total": total, "max_failed": max_failed,
+            "runs_with_failures": sum(1 for r in results if r["requests"]["failed"]),
+            "by_scenario": by, "scenario_errors": errors,
+            "passed": total <= max_failed and not errors}
+
+
+def run_all(stack: Stack, names: list[str], args, out: Path | None = None, log=print) -> dict:
+    """The scenario list args.repeats times, each after the stack is fully recovered -> the report (written to
+    `out` after every scenario: a later one that fails or is interrupted loses nothing measured)."""
+    repeats = getattr(args, "repeats", 1) or 1
+    max_failed = getattr(args, "max_failed", 0)
+    results: list[dict] = []
+    rep: dict = {}
+    for run in range(1, repeats + 1):
+        for name in names:
+            ready = wait_ready(stack, args.recovery_timeout, getattr(args, "ready_settle_s", 5.0))
+            if ready is None:
+                res = {"scenario": name, "run": run, "load_mode": load_mode(args),
+                       "error": f"stack not recovered within {args.recovery_timeout:g} s before the run",
+                       "requests": {"sent": 0, "completed": 0, "failed": 0, "failures": {}, "unfinished": 0}}
+            else:
+                log(f"--- {name} (run {run}/{repeats}, {load_mode(args)} loop)")
+                res = {"run": run, "ready_after_s": ready, **run_scenario(stack, name, args)}
+            results.append(res)
+            log(json.dumps({k: v for k, v in res.items() if k not in ("error_samples", "latency_s")}))
+            rep = {"inventory": getattr(args, "inventory", None), "router": stack.router_url,
+                   "concurrency": args.concurrency, "rate": getattr(args, "rate", None),
+                   "load_mode": load_mode(args), "repeats": repeats, "results": results,
+                   "summary": summarize(results, max_failed)}
+            if out is not None:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(rep, indent=2) + "\n")
+    return rep
+
+
+def print_summary(summary: dict, log=print) -> None:
+    for key, e in summary["by_scenario"].items():
+        log(f"  {key}: {e['runs']} runs, failed {e['failed']} of {e['sent']} (per run {e['failed_per_run']})")
+    log(f"failed requests in total: {summary['failed_total']} over {summary['runs']} runs "
+        f"(max {summary['max_failed']}): {'PASS' if summary['passed'] else 'FAIL'}")
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-i", "--inventory", default="inventory/local")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="closed loop: clients (default 2); with --rate: the cap on requests in flight (default 64)")
+    ap.add_argument("--rate", type=float, default=None, help="open loop at this many requests/s")
+    ap.add_argument("--repeats", type=int, default=1, help="run the scenario list this many times")
+    ap.add_argument("--max-failed", type=int, default=0, help="failed requests allowed over all runs")
+    ap.add_argument("--ready-settle-s", type=float, default=5.0, help="quiet after the stack is recovered, "
+                    "before each scenario")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prompt-words", type=int, default=32)
     ap.add_argument("--request-timeout", type=float, default=120)
@@ -273,28 +385,27 @@ def main() -> int:
     ap.add_argument("--router-down-s", type=float, default=10)
     ap.add_argument("--recovery-timeout", type=float, default=900)
     ap.add_argument("--out", default="reports/faults/faults-latest.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [s for s in names if s not in SCENARIOS]
     if bad:
         ap.error(f"--scenarios: unknown {bad}; choose from {', '.join(SCENARIOS)}")
+    if args.rate is not None and not args.rate > 0:
+        ap.error(f"--rate {args.rate}: must be > 0 requests/s (leave it out for a closed loop)")
+    if args.repeats < 1 or args.max_failed < 0 or (args.concurrency is not None and args.concurrency < 1):
+        ap.error("--repeats and --concurrency must be >= 1, --max-failed >= 0")
+    if args.concurrency is None and args.rate is None:
+        args.concurrency = 2
     stack = Stack(args.inventory)
-    results = []
-    for name in names:
-        print(f"--- {name}", flush=True)
-        res = run_scenario(stack, name, args)
-        results.append(res)
-        print(json.dumps({k: v for k, v in res.items() if k not in ("error_samples", "latency_s")}), flush=True)
-        # Written after every scenario: a later one that fails or is interrupted loses nothing measured.
-        out = ROOT / args.out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"inventory": args.inventory, "router": stack.router_url,
-                                   "concurrency": args.concurrency, "results": results}, indent=2) + "\n")
-    print(f"report: {ROOT / args.out}")
-    failed = [r["scenario"] for r in results if "error" in r]
-    if failed:
-        print(f"scenarios that could not finish: {', '.join(failed)} (see 'error' in the report)", file=sys.stderr)
-    return 1 if failed else 0
+    out = ROOT / args.out
+    rep = run_all(stack, names, args, out, log=lambda m: print(m, flush=True))
+    print(f"report: {out}")
+    summary = rep["summary"]
+    print_summary(summary)
+    if summary["scenario_errors"]:
+        print(f"scenarios that could not finish: {', '.join(summary['scenario_errors'])} (see 'error' in the "
+              "report)", file=sys.stderr)
+    return 0 if summary["passed"] else 1
 
 
 if __name__ == "__main__":

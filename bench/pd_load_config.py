@@ -100,12 +100,20 @@ class LoadConfig:
             raise ConfigError("; ".join(errs))
 
 
-def client_api_key() -> str | None:
+def client_api_key(index: int = 1) -> str | None:
     """The front door's client key for the bench tools and tests, never from argv: $PD_LOAD_API_KEY, else the file
-    $PD_API_KEY_FILE, else the local stack's key made by scripts/bootstrap (.cache/frontdoor/api-key)."""
-    if os.environ.get("PD_LOAD_API_KEY"):
-        return os.environ["PD_LOAD_API_KEY"]
-    path = os.environ.get("PD_API_KEY_FILE") or str(Path(__file__).resolve().parents[1] / ".cache/frontdoor/api-key")
+    $PD_API_KEY_FILE, else the local stack's key made by scripts/bootstrap (.cache/frontdoor/api-key).
+
+    index 2 (the local stack's second client key): $PD_LOAD_API_KEY_2, else $PD_API_KEY_FILE_2, else
+    .cache/frontdoor/api-key-2 (scripts/bootstrap.d/60-frontdoor-key); likewise _N / api-key-N for index N."""
+    if not isinstance(index, int) or isinstance(index, bool) or index < 1:
+        raise ValueError(f"client_api_key(index={index!r}): the key number must be an integer >= 1")
+    suffix = "" if index == 1 else f"_{index}"
+    if os.environ.get(f"PD_LOAD_API_KEY{suffix}"):
+        return os.environ[f"PD_LOAD_API_KEY{suffix}"]
+    name = "api-key" if index == 1 else f"api-key-{index}"
+    default = Path(__file__).resolve().parents[1] / ".cache/frontdoor" / name
+    path = os.environ.get(f"PD_API_KEY_FILE{suffix}") or str(default)
     try:
         return Path(path).read_text().strip() or None
     except FileNotFoundError:

@@ -74,6 +74,10 @@ class LoadGenerator:
         self._samples: dict[str, list] = {}
         self._latencies: list[float] = []
         self._ttfts: list[float] = []
+        self._tpots: list[float] = []  # (latency - ttft) / (tokens - 1) of streamed completions, seconds
+        self._prompt_tokens: list[int] = []
+        self._fail_lat: dict[str, list[float]] = {}  # failure class -> elapsed of each such failure
+        self._retry_after_missing = 0  # http_429 answers without a Retry-After header
         self._completion_ends: list[float] = []
         self._output_tokens = 0
         self._finish_reasons: dict[str, int] = {}
@@ -245,9 +249,13 @@ class LoadGenerator:
             if i in self._inflight:
                 self._inflight[i] = (self._inflight[i][0], sock)
 
-    def _fail_locked(self, cls: str, t_start: float, t_end: float, *, status=None, detail="", body="", rid=None):
+    def _fail_locked(self, cls: str, t_start: float, t_end: float, *, status=None, detail="", body="", rid=None,
+                     retry_after=None):
         self._failed += 1
         self._failures[cls] = self._failures.get(cls, 0) + 1
+        self._fail_lat.setdefault(cls, []).append(t_end - t_start)
+        if cls == "http_429" and not retry_after:
+            self._retry_after_missing += 1
         t_rel = round(t_end - self._t0, 3)
         if self._fail_window[0] is None:
             self._fail_window[0] = t_rel
@@ -274,6 +282,10 @@ class LoadGenerator:
                 self._completion_ends.append(now - self._t0)
                 if out.ttft is not None:
                     self._ttfts.append(out.ttft)
+                    if out.tokens is not None and out.tokens > 1:
+                        self._tpots.append(max(0.0, lat - out.ttft) / (out.tokens - 1))
+                if out.prompt_tokens is not None:
+                    self._prompt_tokens.append(out.prompt_tokens)
                 self._output_tokens += out.tokens or 0
                 fr = out.finish_reason or "none"
                 self._finish_reasons[fr] = self._finish_reasons.get(fr, 0) + 1
@@ -282,7 +294,7 @@ class LoadGenerator:
                 b["lat"].append(lat)
             else:
                 self._fail_locked(out.cls or "client_error", t_start, now, status=out.status, detail=out.detail,
-                                  body=out.body, rid=self._rid(i))
+                                  body=out.body, rid=self._rid(i), retry_after=out.retry_after)
 
     def _finalize(self) -> None:
         socks = []
@@ -380,6 +392,10 @@ class LoadGenerator:
                 "error_samples": {k: list(v) for k, v in sorted(self._samples.items())},
                 "latency_s": latency_stats(self._latencies),
                 "ttft_s": latency_stats(self._ttfts),
+                "tpot_s": latency_stats(self._tpots),
+                "prompt_tokens": latency_stats(self._prompt_tokens),
+                "failure_latency_s": {k: latency_stats(v) for k, v in sorted(self._fail_lat.items())},
+                "retry_after_missing": self._retry_after_missing,
                 "throughput": {
                     "completed_req_s": round(completed / send_s, 4) if send_s > 0 else None,
                     "output_tok_s": round(self._output_tokens / send_s, 2) if send_s > 0 else None,

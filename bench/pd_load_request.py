@@ -33,9 +33,10 @@ _BODY_EXCERPT = 500  # characters of a failed request's body kept in error_sampl
 
 
 class _Failure(Exception):
-    def __init__(self, cls, detail, status=None, body=""):
+    def __init__(self, cls, detail, status=None, body="", retry_after=None):
         super().__init__(detail)
         self.cls, self.detail, self.status, self.body = cls, detail, status, body
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Outcome:
     tokens: int | None = None
     finish_reason: str | None = None
     has_text: bool = False
+    retry_after: str | None = None  # the Retry-After header of a non-200 answer
+    prompt_tokens: int | None = None  # usage.prompt_tokens of a completion, when the server sent it
 
 
 def _remaining(deadline: float) -> float:
@@ -119,10 +122,10 @@ def _choice_text(choice: dict, chat: bool, delta: bool) -> str:
     return msg.get("content") or msg.get("reasoning_content") or msg.get("reasoning") or ""
 
 
-def _usage_tokens(obj: dict):
+def _usage_tokens(obj: dict, key: str = "completion_tokens"):
     usage = obj.get("usage") or {}
-    tok = usage.get("completion_tokens")
-    return tok if isinstance(tok, int) else None
+    tok = usage.get(key) if isinstance(usage, dict) else None
+    return tok if isinstance(tok, int) and not isinstance(tok, bool) else None
 
 
 class CompletionClient:
@@ -186,9 +189,10 @@ class CompletionClient:
             sock.settimeout(_remaining(deadline))
             resp = conn.getresponse()
             if resp.status != 200:
+                retry_after = resp.getheader("Retry-After")
                 body = _read_error_body(resp, sock, deadline)
                 raise _Failure(f"http_{resp.status}", f"HTTP {resp.status} {resp.reason}", resp.status,
-                               _excerpt(body))
+                               _excerpt(body), retry_after)
             if cfg.stream:
                 out = self._read_stream(resp, sock, deadline, start)
             else:
@@ -197,7 +201,8 @@ class CompletionClient:
             return out
         except _Failure as f:
             # a body failure is raised after an HTTP 200
-            return Outcome(False, f.cls, f.status if f.status is not None else 200, f.detail, f.body)
+            return Outcome(False, f.cls, f.status if f.status is not None else 200, f.detail, f.body,
+                           retry_after=f.retry_after)
         except Exception as e:  # noqa: BLE001 - every exception is a classified failure
             cls, detail = _classify(e)
             return Outcome(False, cls, detail=detail)
@@ -218,7 +223,7 @@ class CompletionClient:
             raise _Failure("bad_body", "body has no choices", body=_excerpt(body))
         text = _choice_text(choices[0], self._chat, delta=False)
         return Outcome(True, tokens=_usage_tokens(obj), finish_reason=choices[0].get("finish_reason"),
-                       has_text=bool(text))
+                       has_text=bool(text), prompt_tokens=_usage_tokens(obj, "prompt_tokens"))
 
     def _read_stream(self, resp, sock, deadline: float, start: float) -> Outcome:
         """SSE: data: {...} events until data: [DONE]; TTFT = first event with text."""
@@ -228,6 +233,7 @@ class CompletionClient:
         events = 0
         ttft = None
         tokens = None
+        prompt_tokens = None
         finish = None
         text_len = 0
         done = False
@@ -260,6 +266,8 @@ class CompletionClient:
                     raise _Failure("bad_body", f"stream event {events} is an error", body=_excerpt(data))
                 if _usage_tokens(obj) is not None:
                     tokens = _usage_tokens(obj)
+                if _usage_tokens(obj, "prompt_tokens") is not None:
+                    prompt_tokens = _usage_tokens(obj, "prompt_tokens")
                 for ch in obj.get("choices") or []:
                     if not isinstance(ch, dict):
                         continue
@@ -276,7 +284,8 @@ class CompletionClient:
             if events == 0:
                 raise _Failure("bad_body", "HTTP 200 stream with no data: event", body=_excerpt(head))
             raise _Failure("bad_body", f"stream ended after {events} events without data: [DONE]")
-        return Outcome(True, ttft=ttft, tokens=tokens, finish_reason=finish, has_text=text_len > 0)
+        return Outcome(True, ttft=ttft, tokens=tokens, finish_reason=finish, has_text=text_len > 0,
+                       prompt_tokens=prompt_tokens)
 
     def _check_output(self, out: Outcome) -> None:
         want = self.cfg.min_tokens_expected

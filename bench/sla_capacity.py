@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from ansible_collections.b300.pd.bench.capacity_admission import admission_limit, write_patch
 from ansible_collections.b300.pd.bench.capacity_bench_serve import run_point, run_warmup
 from ansible_collections.b300.pd.bench.capacity_fit import add_fits, compare
 from ansible_collections.b300.pd.bench.capacity_plan import (
@@ -129,6 +130,11 @@ def parse_args(argv):
                     help="the SLA crossing fits the points whose rate lies within this factor of the pass/fail "
                          "bracket (> 1)")
     ap.add_argument("--out-dir", help="report directory (default reports/capacity/<UTC time>)")
+    ap.add_argument("--admission-file",
+                    help="write the front door's admission limit (pd_frontdoor_max_inflight, requests in flight at "
+                         "the SLA knee) as a group_vars file here, e.g. inventory/local/group_vars/all/admission.yml")
+    ap.add_argument("--front-doors", type=int, default=1,
+                    help="front doors taking clients at once; each admits the cluster's figure divided by this")
     a = ap.parse_args(argv)
     vars_ = load_group_vars(Path(a.inventory))
     if a.model:
@@ -169,6 +175,10 @@ def parse_args(argv):
         raise UsageError(f"--sweep-factors {low:g} {high:g}: need 0 < LOW < HIGH (e.g. 0.8 1.25)")
     if a.finer_sweep and not a.compare_with and (a.sweep_min is None or a.sweep_max is None):
         raise UsageError("--finer-sweep needs --compare-with <search report.json> or --sweep-min and --sweep-max")
+    if a.front_doors < 1:
+        raise UsageError(f"--front-doors {a.front_doors}: must be >= 1 (front doors taking clients at once)")
+    if a.admission_file and a.finer_sweep:
+        raise UsageError("--admission-file goes with a search, not --finer-sweep (the search's max rates set it)")
     return a
 
 
@@ -315,6 +325,11 @@ def main(argv=None) -> int:
     if interrupted:
         rep["interrupted"] = interrupted
     add_fits(rep, a.fit_window)
+    if not a.finer_sweep:
+        rep["admission"] = admission_limit(rep, a.front_doors)
+        if a.admission_file and not interrupted:
+            log(f"admission: pd_frontdoor_max_inflight {rep['admission']['max_inflight']} -> "
+                f"{write_patch(a.admission_file, rep['admission'], str(out_dir / 'report.json'))}")
     if baseline and a.finer_sweep:
         rep["comparison"] = compare(baseline, rep, a.fit_window)
     (out_dir / "report.json").write_text(json.dumps(rep, indent=2) + "\n")

@@ -26,6 +26,8 @@ def _as_filter_error(fn):
 _FILTERS = {
     "pd_frontdoor_backends": pd_frontdoor.pd_frontdoor_backends,
     "pd_frontdoor_keys": pd_frontdoor.pd_frontdoor_keys,
+    "pd_frontdoor_key_map": pd_frontdoor.pd_frontdoor_key_map,
+    "pd_frontdoor_admission": pd_frontdoor.pd_frontdoor_admission,
     "pd_rollout_topology": pd_rollout.pd_rollout_topology,
     "pd_rollout_order": pd_rollout.pd_rollout_order,
     "pd_rollout_routing": pd_rollout.pd_rollout_routing,

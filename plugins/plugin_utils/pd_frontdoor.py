@@ -9,17 +9,30 @@ address (else that host's front door alone reaches them). Routers and units come
 ``pd_frontdoor_keys(keys)`` -> the keys, checked: at least one, 24-256 characters of a token alphabet (they are
 written into nginx's config as ``"Bearer <key>"``: no quotes, spaces or semicolons can get in), no duplicates.
 
+``pd_frontdoor_key_map(keys)`` -> ``[{"pattern", "label"}]``: each key as a case-sensitive nginx map regex of
+"Bearer <key>" and its label, "k" + the first 8 hex characters of the key's sha256 (what logs and metrics show).
+
+``pd_frontdoor_admission(max_inflight, key_max_share, client_max_body_size, max_model_len)`` -> the admission limits
+nginx enforces: ``{"max_inflight", "max_inflight_per_key", "client_max_body_size"}`` (the body limit derived from the
+model's context when not given).
+
 Errors name the field and the fix (contributing.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
 
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_filter_errors import fail
 
 _KEY_RE = re.compile(r"[A-Za-z0-9._~+/=-]{24,256}")
 _LOOPBACK = ("127.", "localhost", "::1")
+_SIZE_RE = re.compile(r"[1-9][0-9]{0,9}[kKmMgG]?")
+# The JSON of one prompt token, even when every character is \u-escaped; plus room for messages, tools, options.
+BODY_BYTES_PER_TOKEN = 32
+BODY_EXTRA_BYTES = 1 << 20
 
 
 def pd_frontdoor_backends(cluster, this_host, router_bind_host="127.0.0.1"):
@@ -53,3 +66,50 @@ def pd_frontdoor_keys(keys):
             fail(f"pd_frontdoor: pd_frontdoor_api_keys[{idx}] repeats an earlier key; remove the duplicate")
         seen.add(key)
     return keys
+
+
+def key_label(key):
+    """The label logs and metrics show for a client key: never the key, stable across reloads and rotations."""
+    return "k" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def pd_frontdoor_key_map(keys):
+    out = []
+    for key in pd_frontdoor_keys(keys):
+        # The key alphabet's regex metacharacters are . and +; nginx keeps other backslashes of a quoted string.
+        escaped = re.sub(r"([.+])", r"\\\1", key)
+        out.append({"pattern": f"~^Bearer {escaped}$", "label": key_label(key)})
+    if len({k["label"] for k in out}) != len(out):
+        fail("pd_frontdoor: two of pd_frontdoor_api_keys share a label (sha256 prefix); generate a new key for one "
+             "of them")
+    return out
+
+
+def _whole(name, value, low, high, hint):
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit() \
+            or not low <= int(value) <= high:
+        fail(f"pd_frontdoor: {name} is {value!r}: give a whole number from {low} to {high} ({hint})")
+    return int(value)
+
+
+def pd_frontdoor_admission(max_inflight, key_max_share, client_max_body_size="", max_model_len=262144):
+    limit = _whole("pd_frontdoor_max_inflight", max_inflight, 0, 1_000_000,
+                   "requests in flight this front door admits, as bench/sla_capacity.py measures it; 0 = no limit")
+    try:
+        share = float(key_max_share)
+    except (TypeError, ValueError):
+        share = -1.0
+    if isinstance(key_max_share, bool) or not 0 < share <= 1:
+        fail(f"pd_frontdoor: pd_frontdoor_key_max_share is {key_max_share!r}: give a fraction in (0, 1], the most of "
+             "pd_frontdoor_max_inflight one client key may hold (e.g. 0.5)")
+    per_key = max(1, math.ceil(limit * share)) if limit else 0
+    if client_max_body_size in (None, ""):
+        tokens = _whole("pd_frontdoor_max_model_len", max_model_len, 1, 100_000_000,
+                        "the model's context in tokens, max-model-len of pd_vllm_flags_common")
+        body = f"{math.ceil((tokens * BODY_BYTES_PER_TOKEN + BODY_EXTRA_BYTES) / 1024)}k"
+    elif isinstance(client_max_body_size, str) and _SIZE_RE.fullmatch(client_max_body_size):
+        body = client_max_body_size
+    else:
+        fail(f"pd_frontdoor: pd_frontdoor_client_max_body_size is {client_max_body_size!r}: give an nginx size "
+             "(e.g. 16m, 512k) or \"\" to derive it from pd_frontdoor_max_model_len")
+    return {"max_inflight": limit, "max_inflight_per_key": per_key, "client_max_body_size": body}

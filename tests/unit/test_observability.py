@@ -1,5 +1,6 @@
-"""roles/observability + roles/node_exporter: scrape targets from the topology, the vLLM RSS collector, the
-dashboard's metric names, role conventions, and the SLA queries documented for pd_verify.
+"""roles/observability + roles/node_exporter: scrape targets from the topology, the vLLM RSS collector, the front
+door's mtail program on access-log lines, the dashboard's metric names, role conventions, and the SLA queries
+documented for pd_verify.
 
 Rendering helpers come from test_prometheus_rules.py (same jinja2 rendering as Ansible's template module).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +213,132 @@ def test_rss_collector_rejects_bad_names(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+# ---------------------------------------------------------------- the front door's mtail program
+
+MTAIL = shutil.which("mtail") or "/usr/bin/mtail"
+MTAIL_PROG = ROOT / "roles" / "pd_frontdoor" / "files" / "pd_frontdoor.mtail"
+MTAIL_FIXTURE = FIXTURES / "pd-frontdoor-mtail-3.0.0rc50.txt"
+_T = "time=2026-12-06T10:00:0{}+00:00 "
+_ADMIT = "request_time=0.000 upstream_header_time=- method=POST uri=/v1/completions"
+# Lines of log_format pd_frontdoor (roles/pd_frontdoor): served P/D; shed (429, path none) for both keys; retried
+# onto the colocated router (a refused first try: no header, "-"); retried onto a second P/D router (two header
+# times: the last is the answering router's); a retry whose answering try sent no header; no key (401); an admin
+# path (404); every router refused (502, path none).
+ACCESS_LOG = [
+    _T.format(0) + "status=200 client=k1a2b3c4d path=pd backend=pd-router-0/vllm-router attempts=1 "
+    "first_backend=pd-router-0/vllm-router first_status=200 request_time=0.120 upstream_header_time=0.100 "
+    "method=POST uri=/v1/completions",
+    _T.format(1) + "status=429 client=k1a2b3c4d path=none backend=none attempts=0 first_backend=none first_status=- "
+    + _ADMIT,
+    _T.format(1) + "status=429 client=k99887766 path=none backend=none attempts=0 first_backend=none first_status=- "
+    "request_time=0.000 upstream_header_time=- method=POST uri=/v1/chat/completions",
+    _T.format(2) + "status=200 client=k99887766 path=colocated backend=pd-router-0/vllm-router-colocated attempts=2 "
+    "first_backend=pd-router-0/vllm-router first_status=502 request_time=0.300 upstream_header_time=-, 0.250 "
+    "method=POST uri=/v1/completions",
+    _T.format(3) + "status=200 client=k99887766 path=pd backend=pd-router-0/vllm-router-2 attempts=2 "
+    "first_backend=pd-router-0/vllm-router first_status=500 request_time=2.300 upstream_header_time=0.003, 2.000 "
+    "method=POST uri=/v1/chat/completions",
+    _T.format(4) + "status=200 client=k99887766 path=pd backend=pd-router-0/vllm-router-2 attempts=2 "
+    "first_backend=pd-router-0/vllm-router first_status=500 request_time=0.010 upstream_header_time=0.003, - "
+    "method=POST uri=/v1/completions",
+    _T.format(5) + "status=401 client=- path=none backend=none attempts=0 first_backend=none first_status=- " + _ADMIT,
+    _T.format(6) + "status=404 client=- path=none backend=none attempts=0 first_backend=none first_status=- "
+    "request_time=0.000 upstream_header_time=- method=GET uri=/workers",
+    _T.format(7) + "status=502 client=k1a2b3c4d path=none backend=none attempts=4 "
+    "first_backend=pd-router-0/vllm-router first_status=502 request_time=0.010 upstream_header_time=-, -, -, - "
+    "method=POST uri=/v1/completions",
+]
+
+
+def _samples(text: str) -> set[str]:
+    return {line for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.fixture(scope="module")
+def mtail_out(tmp_path_factory) -> str:
+    if not Path(MTAIL).exists():
+        pytest.skip("mtail comes from scripts/bootstrap.d/20-apt (run scripts/bootstrap)")
+    d = tmp_path_factory.mktemp("mtail")
+    (d / "progs").mkdir()
+    shutil.copy(MTAIL_PROG, d / "progs")
+    log = d / "access.log"
+    log.write_text("\n".join(ACCESS_LOG) + "\n")
+    r = subprocess.run([MTAIL, "-progs", str(d / "progs"), "-logs", str(log), "-one_shot", "-one_shot_format",
+                        "prometheus", "-logtostderr"], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, f"mtail failed on {MTAIL_PROG.name}:\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_mtail_counts_requests_by_status_path_backend_and_client(mtail_out):
+    prog = 'prog="pd_frontdoor.mtail"'
+    for line in (
+        f'pd_frontdoor_requests_total{{backend="pd-router-0/vllm-router",client="k1a2b3c4d",path="pd",{prog},'
+        'status="200"} 1',
+        f'pd_frontdoor_requests_total{{backend="pd-router-0/vllm-router-2",client="k99887766",path="pd",{prog},'
+        'status="200"} 2',
+        f'pd_frontdoor_requests_total{{backend="none",client="k1a2b3c4d",path="none",{prog},status="429"}} 1',
+        f'pd_frontdoor_requests_total{{backend="none",client="-",path="none",{prog},status="401"}} 1',
+        f'pd_frontdoor_requests_total{{backend="none",client="k1a2b3c4d",path="none",{prog},status="502"}} 1',
+    ):
+        assert line in mtail_out, f"{line}\n--- mtail:\n{mtail_out}"
+    assert sum(float(v) for v in re.findall(r"^pd_frontdoor_requests_total\{.*\} (\S+)$", mtail_out, re.M)) == \
+        len(ACCESS_LOG)
+
+
+def test_mtail_counts_shed_admitted_and_retried(mtail_out):
+    prog = 'prog="pd_frontdoor.mtail"'
+    # shed: 429 with path none, per key; admitted: a key's requests that were not shed (the 502 without a live
+    # router was admitted); requests without a key (401, 404) are neither.
+    for line in (
+        f'pd_frontdoor_shed_requests_total{{client="k1a2b3c4d",{prog}}} 1',
+        f'pd_frontdoor_shed_requests_total{{client="k99887766",{prog}}} 1',
+        f'pd_frontdoor_admitted_requests_total{{client="k1a2b3c4d",{prog}}} 2',
+        f'pd_frontdoor_admitted_requests_total{{client="k99887766",{prog}}} 3',
+        f'pd_frontdoor_retried_requests_total{{first_backend="pd-router-0/vllm-router",first_status="500",{prog}}} 2',
+        f'pd_frontdoor_retried_requests_total{{first_backend="pd-router-0/vllm-router",first_status="502",{prog}}} 2',
+    ):
+        assert line in mtail_out, f"{line}\n--- mtail:\n{mtail_out}"
+    assert 'client="-"' not in "".join(
+        line for line in mtail_out.splitlines() if line.startswith(("pd_frontdoor_shed", "pd_frontdoor_admitted")))
+
+
+def test_mtail_upstream_header_time_is_the_answering_routers(mtail_out):
+    """Of "-, 0.250" and "0.003, 2.000" the last value counts; a last "-" and requests without a path are skipped."""
+    prog = 'prog="pd_frontdoor.mtail"'
+    for line in (
+        f'pd_frontdoor_upstream_header_seconds_count{{path="pd",{prog}}} 2',
+        f'pd_frontdoor_upstream_header_seconds_sum{{path="pd",{prog}}} 2.1',
+        f'pd_frontdoor_upstream_header_seconds_count{{path="colocated",{prog}}} 1',
+        f'pd_frontdoor_upstream_header_seconds_sum{{path="colocated",{prog}}} 0.25',
+        f'pd_frontdoor_upstream_header_seconds_bucket{{path="pd",{prog},le="0.1"}} 1',
+        f'pd_frontdoor_upstream_header_seconds_bucket{{path="pd",{prog},le="2.5"}} 2',
+    ):
+        assert line in mtail_out, f"{line}\n--- mtail:\n{mtail_out}"
+    assert 'path="none"' not in "".join(
+        line for line in mtail_out.splitlines() if line.startswith("pd_frontdoor_upstream_header"))
+
+
+def test_mtail_fixture_is_what_the_program_makes_of_the_lines(mtail_out):
+    """tests/fixtures/metrics/pd-frontdoor-mtail-*.txt (the names the rules and dashboard may read) is current."""
+    assert _samples(MTAIL_FIXTURE.read_text()) == _samples(mtail_out), (
+        f"regenerate {MTAIL_FIXTURE.relative_to(ROOT)} from ACCESS_LOG (mtail -one_shot)")
+
+
+def test_mtail_skips_lines_of_another_format(tmp_path):
+    """A line without client= (the format before admission control) is not counted under wrong labels."""
+    if not Path(MTAIL).exists():
+        pytest.skip("mtail comes from scripts/bootstrap.d/20-apt (run scripts/bootstrap)")
+    (tmp_path / "progs").mkdir()
+    shutil.copy(MTAIL_PROG, tmp_path / "progs")
+    log = tmp_path / "access.log"
+    log.write_text("time=2026-12-06T10:00:00+00:00 status=200 path=pd backend=r/vllm-router attempts=1 "
+                   "first_backend=r/vllm-router first_status=200 request_time=0.100 method=POST uri=/v1/completions\n")
+    r = subprocess.run([MTAIL, "-progs", str(tmp_path / "progs"), "-logs", str(log), "-one_shot",
+                        "-one_shot_format", "prometheus", "-logtostderr"], capture_output=True, text=True,
+                       timeout=60, check=True)
+    assert _samples(r.stdout) == set(), r.stdout
+
+
 # ---------------------------------------------------------------- metric names: rules, dashboard, fixtures
 
 PROMQL_WORDS = {
@@ -271,7 +399,10 @@ def test_dashboard_uses_only_names_that_exist(tmp_path):
                      "pool:vllm_tpot_seconds:mean", "pool:vllm_spec_decode_acceptance:ratio",
                      "pool:vllm_nixl_xfer_time_seconds:p99", "pd_vllm_process_resident_memory_bytes",
                      "instance_name:vllm_process_rss_bytes:deriv_per_hour", "instance_name:vllm_kv_cache_usage:max",
-                     "instance_name:vllm_requests_waiting:sum", "pd:router_error:ratio"):
+                     "instance_name:vllm_requests_waiting:sum", "pd:router_error:ratio",
+                     "client:pd_frontdoor_admitted_requests:rate", "client:pd_frontdoor_shed_requests:rate",
+                     "pd_frontdoor:shed:ratio", "pd_frontdoor:retried:ratio", "pd_frontdoor_retried_requests_total",
+                     "path:pd_frontdoor_upstream_header_seconds:p99", "pool:vllm_request_queue_time_seconds:mean"):
         assert required in used, f"dashboard lacks {required}"
     for p in dash["panels"]:
         if p["type"] != "row":

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "pd_frontdoor"
 ERR = (ValueError, AnsibleError)  # the filters raise AnsibleFilterError under Ansible
 KEY = "k" * 8 + "0123456789abcdef0123456789abcdef"
+KEY2 = "Q.w+e" * 6  # regex metacharacters of the key alphabet, upper case
 
 
 def _units(*ports_modes):
@@ -114,6 +115,19 @@ class _Upstream:
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
+                elif outer.behaviour.startswith("sleep-"):
+                    time.sleep(float(outer.behaviour[6:]))
+                    data = json.dumps({"served_by": outer.name, "choices": [{"text": "ok"}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                elif outer.behaviour == "429":
+                    data = b'{"error": "router busy"}'
+                    self.send_response(429)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                 elif outer.behaviour == "stream-then-die":
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -147,11 +161,16 @@ def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROLE / "templates")), keep_trailing_newline=True,  # noqa: S701
                              undefined=jinja2.StrictUndefined)
     env.filters["bool"] = lambda v: str(v).lower() in ("1", "true", "yes")
+    env.filters["b300.pd.pd_frontdoor_key_map"] = pdf.pd_frontdoor_key_map
+    admission = extra.pop("admission", {})
     ctx = {**{k: v for k, v in defaults.items() if not isinstance(v, str) or "{{" not in v},
            "ansible_managed": "test", "pd_frontdoor_port": port, "pd_frontdoor_bind_host": "127.0.0.1",
            "pd_frontdoor_listen_ipv6": False, "pd_frontdoor_request_timeout_s": 30,
            "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
-           "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY], "pd_frontdoor_model": "tiny-pd",
+           "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY, KEY2], "pd_frontdoor_model": "tiny-pd",
+           "_pd_frontdoor_admission": pdf.pd_frontdoor_admission(
+               admission.get("max_inflight", 0), admission.get("share", 0.5), admission.get("body", ""),
+               admission.get("max_model_len", 4096)),
            **extra}
     (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
     (tmp / "api-keys.map").write_text(env.get_template("api-keys.map.j2").render(**ctx))
@@ -250,9 +269,12 @@ def test_failed_pd_routers_are_retried_on_the_colocated_router_without_the_key(f
     seen = frontdoor["ups"]["colocated"].seen
     assert len(seen) == 1 and seen[0]["body"] == b'{"prompt": "hi"}'  # the whole body, resent
     assert all(s["auth"] is None for u in frontdoor["ups"].values() for s in u.seen)  # the key stops at the door
-    # While the P/D routers rest (fail_timeout), the next request goes straight to the colocated router.
-    status, body = _req(frontdoor["url"] + "/v1/completions", key=KEY)
-    assert status == 200 and len(frontdoor["ups"]["pd_a"].seen) == 1
+    # The failure is the worker's, not the router's (issue #31): no router rests, the next request tries the P/D
+    # router again (its own health checks drop a dead worker), and the front door never runs out of upstreams.
+    for n in range(2, 6):
+        status, body = _req(frontdoor["url"] + "/v1/completions", key=KEY)
+        assert status == 200 and json.loads(body)["served_by"] == "colocated"
+        assert len(frontdoor["ups"]["pd_a"].seen) == n
 
 
 @needs_nginx
@@ -269,9 +291,10 @@ def test_access_log_becomes_metrics_through_the_roles_mtail_program(frontdoor, t
     out = subprocess.run([MTAIL, "-progs", str(progs), "-logs", str(log), "-one_shot", "-one_shot_format",
                           "prometheus", "-logtostderr"], capture_output=True, text=True, timeout=60, check=True).stdout
     assert KEY not in log.read_text()
-    assert ('pd_frontdoor_requests_total{backend="r/vllm-router-colocated",path="colocated",'
-            'prog="pd_frontdoor.mtail",status="200"} 1') in out, out
-    assert 'pd_frontdoor_requests_total{backend="none",path="none",prog="pd_frontdoor.mtail",status="401"} 1' in out
+    assert ('pd_frontdoor_requests_total{backend="r/vllm-router-colocated",client="' + pdf.key_label(KEY) + '",'
+            'path="colocated",prog="pd_frontdoor.mtail",status="200"} 1') in out, out
+    assert ('pd_frontdoor_requests_total{backend="none",client="-",path="none",prog="pd_frontdoor.mtail",'
+            'status="401"} 1') in out
     assert ('pd_frontdoor_retried_requests_total{first_backend="r/vllm-router",first_status="500",'
             'prog="pd_frontdoor.mtail"} 1') in out, out
 
@@ -367,3 +390,171 @@ def test_connection_limit_tasks_edit_debians_nginx_conf_and_nginx_accepts_it(tmp
     assert "changed=0" in apply()  # idempotent
     check = subprocess.run([NGINX, "-t", "-q", "-c", str(conf)], capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stderr
+
+
+# --- admission, retries that never amplify, slow and hostile clients (issue #31) -----------------------------------
+
+def test_admission_limits_are_derived_and_checked():
+    assert pdf.pd_frontdoor_admission(20, 0.5, "", 4096) == {
+        "max_inflight": 20, "max_inflight_per_key": 10, "client_max_body_size": "1152k"}
+    assert pdf.pd_frontdoor_admission("7", 0.3, "16m")["max_inflight_per_key"] == 3  # rounded up
+    assert pdf.pd_frontdoor_admission(0, 0.5, "", 262144) == {
+        "max_inflight": 0, "max_inflight_per_key": 0, "client_max_body_size": "9216k"}
+    for args, match in (((-1, 0.5), "pd_frontdoor_max_inflight"), (("lots", 0.5), "pd_frontdoor_max_inflight"),
+                        ((True, 0.5), "pd_frontdoor_max_inflight"), ((10, 0), "pd_frontdoor_key_max_share"),
+                        ((10, 1.5), "pd_frontdoor_key_max_share"), ((10, "half"), "pd_frontdoor_key_max_share"),
+                        ((10, 0.5, "64 m; return 200"), "pd_frontdoor_client_max_body_size"),
+                        ((10, 0.5, "", "4k"), "pd_frontdoor_max_model_len")):
+        with pytest.raises(ERR, match=match):
+            pdf.pd_frontdoor_admission(*args)
+
+
+def test_key_map_is_case_sensitive_regex_with_labels():
+    entries = pdf.pd_frontdoor_key_map([KEY, KEY2])
+    assert entries[1]["pattern"] == "~^Bearer " + KEY2.replace(".", "\\.").replace("+", "\\+") + "$"
+    assert [e["label"] for e in entries] == [pdf.key_label(KEY), pdf.key_label(KEY2)]
+    assert all(len(e["label"]) == 9 and e["label"].startswith("k") for e in entries)
+
+
+def _concurrently(url, keys, body=b'{"prompt": "hi"}'):
+    """One request per key at once; -> [(status, seconds, headers)] in the order given."""
+    out = [None] * len(keys)
+
+    def one(i, key):
+        t0 = time.monotonic()
+        req = urllib.request.Request(url, data=body, headers={"Authorization": f"Bearer {key}"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=20) as r:
+                r.read()
+                out[i] = (r.status, time.monotonic() - t0, dict(r.headers), b"")
+        except urllib.error.HTTPError as e:
+            out[i] = (e.code, time.monotonic() - t0, dict(e.headers), e.read())
+
+    threads = [threading.Thread(target=one, args=(i, k)) for i, k in enumerate(keys)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)  # in this order
+    for t in threads:
+        t.join()
+    return out
+
+
+@needs_nginx
+def test_admission_sheds_at_once_with_429_and_keeps_a_share_for_every_key(tmp_path):
+    up = _Upstream("pd", "sleep-1.5")
+    port = _free_port()
+    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
+            admission={"max_inflight": 4, "share": 0.5}, pd_frontdoor_retry_after_s=3)
+    try:
+        with _nginx(tmp_path, port):
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            # KEY sends 4 at once: 2 admitted (its share of 4), 2 refused at once. KEY2 then gets both of its own.
+            res = _concurrently(url, [KEY, KEY, KEY, KEY, KEY2, KEY2, KEY2])
+            statuses = [r[0] for r in res]
+            assert statuses == [200, 200, 429, 429, 200, 200, 429], statuses
+            for status, seconds, headers, body in res:
+                if status == 429:
+                    assert seconds < 0.5, seconds  # at once, not after a queue
+                    assert headers.get("Retry-After") == "3"
+                    err = json.loads(body)["error"]
+                    assert err["code"] == 429 and err["type"] == "rate_limit_exceeded" and "retry after 3 s" in \
+                        err["message"]
+            assert len(up.seen) == 4  # nothing refused reached a router
+            # When the admitted ones are done, the door admits again.
+            assert _req(url, key=KEY)[0] == 200
+            log = (tmp_path / "access.log").read_text()
+            assert log.count("status=429 client=" + pdf.key_label(KEY)) == 2
+            assert log.count("status=429 client=" + pdf.key_label(KEY2)) == 1
+            assert KEY not in log and KEY2 not in log
+    finally:
+        up.close()
+
+
+@needs_nginx
+def test_no_admission_limit_when_zero(tmp_path):
+    up = _Upstream("pd", "sleep-0.5")
+    port = _free_port()
+    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}])
+    assert "pd_frontdoor_inflight" not in (tmp_path / "pd-frontdoor.conf").read_text()
+    try:
+        with _nginx(tmp_path, port):
+            res = _concurrently(f"http://127.0.0.1:{port}/v1/completions", [KEY] * 6)
+            assert [r[0] for r in res] == [200] * 6
+    finally:
+        up.close()
+
+
+@needs_nginx
+def test_keys_are_case_sensitive_and_a_refused_client_keeps_no_connection(tmp_path):
+    up = _Upstream("pd", "200")
+    port = _free_port()
+    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}])
+    try:
+        with _nginx(tmp_path, port):
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            assert _req(url, key=KEY2)[0] == 200
+            assert _req(url, key=KEY2.lower())[0] == 401 and _req(url, key=KEY.upper())[0] == 401
+            assert _req(url, key=KEY2.replace(".", "x"))[0] == 401  # "." is no wildcard
+            import http.client
+
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("POST", "/v1/completions", body=b"{}", headers={"Authorization": "Bearer nope-nope"})
+            resp = conn.getresponse()
+            assert resp.status == 401 and resp.getheader("Connection") == "close"
+            resp.read()
+            conn.close()
+            assert len(up.seen) == 1
+    finally:
+        up.close()
+
+
+@needs_nginx
+def test_a_timed_out_or_refused_for_overload_request_is_never_resent(tmp_path):
+    ups = {"slow": _Upstream("slow", "sleep-3"), "busy": _Upstream("busy", "429"),
+           "colocated": _Upstream("colocated", "200")}
+    port = _free_port()
+    backends = [{"name": "r/slow", "address": f"127.0.0.1:{ups['slow'].port}", "mode": "pd"},
+                {"name": "r/colocated", "address": f"127.0.0.1:{ups['colocated'].port}", "mode": "colocated"}]
+    _render(tmp_path, port, backends, pd_frontdoor_request_timeout_s=1)
+    try:
+        with _nginx(tmp_path, port):
+            status, _ = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY)
+            assert status == 504 and len(ups["slow"].seen) == 1 and not ups["colocated"].seen
+    finally:
+        pass
+    port = _free_port()
+    (tmp_path / "busy").mkdir()
+    backends[0] = {"name": "r/busy", "address": f"127.0.0.1:{ups['busy'].port}", "mode": "pd"}
+    _render(tmp_path / "busy", port, backends)
+    try:
+        with _nginx(tmp_path / "busy", port):
+            status, _ = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY)
+            assert status == 429 and len(ups["busy"].seen) == 1 and not ups["colocated"].seen
+    finally:
+        for u in ups.values():
+            u.close()
+
+
+@needs_nginx
+def test_slow_and_oversized_clients_are_cut(tmp_path):
+    up = _Upstream("pd", "200")
+    port = _free_port()
+    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
+            pd_frontdoor_client_header_timeout_s=1, admission={"max_model_len": 4096})
+    assert "client_max_body_size 1152k;" in (tmp_path / "pd-frontdoor.conf").read_text()
+    try:
+        with _nginx(tmp_path, port):
+            # A body over the limit derived from max-model-len (4096 x 32 B + 1 MiB) is refused before it is read.
+            status, _ = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY, body=b"x" * (1152 * 1024 + 1))
+            assert status == 413
+            # A client that never finishes its headers is disconnected after client_header_timeout.
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            t0 = time.monotonic()
+            s.settimeout(10)
+            assert s.recv(1024) == b""  # closed by nginx, no answer
+            assert 0.5 < time.monotonic() - t0 < 5
+            s.close()
+            assert not up.seen
+    finally:
+        up.close()

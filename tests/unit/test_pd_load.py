@@ -129,6 +129,17 @@ class FakeServer:
             time.sleep(delay)
         self._json(h, code, {"error": {"message": f"no healthy decode worker (k={req['k']})", "code": code}})
 
+    def _do_shed(self, h, req, retry_after):  # the front door's 429; Retry-After: retry_after unless None
+        data = json.dumps({"error": {"message": "too many requests in flight", "type": "rate_limit_exceeded",
+                                     "param": None, "code": 429}}).encode()
+        h.send_response(429)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        if retry_after is not None:
+            h.send_header("Retry-After", retry_after)
+        h.end_headers()
+        h.wfile.write(data)
+
     def _do_drop(self, h, req, arg):
         h.connection.shutdown(socket.SHUT_RDWR)
 
@@ -174,6 +185,8 @@ class FakeServer:
         if arg == "first_delay":
             time.sleep(0.15)
         for j in range(n):
+            if arg == "paced" and j:
+                time.sleep(0.03)
             event({"choices": [{"index": 0, "text": "w ", "finish_reason": "length" if j == n - 1 else None}]})
             if arg == "cut" and j == 1:
                 h.wfile.flush()
@@ -184,7 +197,8 @@ class FakeServer:
                 event(b"[DONE]")
                 chunk(b"")
                 return
-        event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}})
+        event({"choices": [], "usage": {"prompt_tokens": 5 + len(req["body"].get("prompt", "").split()),
+                                        "completion_tokens": n}})
         if arg != "no_done":
             event(b"[DONE]")
         chunk(b"")
@@ -497,3 +511,59 @@ def test_cli_second_signal_abandons_in_flight(server_factory, tmp_path):
     assert rep["stop_reason"] == "signal:SIGINT" and rep["failures"] == {"unfinished": 2}
     assert "abandoning" in stderr and "FAIL" in stdout
     assert not os.path.exists(str(out) + f".tmp{proc.pid}")
+
+
+def test_shed_retry_after_tpot_and_prompt_tokens(server_factory):
+    """429s with and without Retry-After, their latency per class; TPOT and prompt tokens of streamed completions."""
+    actions = {1: ("shed", "1"), 2: ("shed", None), 3: ("stream", "paced"), 0: ("status", 503)}
+    srv = server_factory(lambda k, req: actions[k % 4])
+    rep = LoadGenerator(url=srv.url, model="m", concurrency=2, max_requests=12, max_tokens=5, prompt_words=7,
+                        stream=True, timeout=5, max_failed=100).run()
+    _invariants(rep)
+    assert rep["failures"] == {"http_429": 6, "http_503": 3} and rep["completed"] == 3
+    assert rep["retry_after_missing"] == 3  # the 429s of k % 4 == 2
+    fl = rep["failure_latency_s"]
+    assert set(fl) == {"http_429", "http_503"} and fl["http_429"]["count"] == 6 and fl["http_503"]["count"] == 3
+    assert fl["http_429"]["p99"] < 1.0
+    # 5 tokens, 30 ms apart after the first: (latency - ttft) / 4 ~ 30 ms
+    tpot = rep["tpot_s"]
+    assert tpot["count"] == 3 and 0.025 <= tpot["min"] and tpot["max"] < 0.2
+    assert rep["prompt_tokens"]["count"] == 3 and rep["prompt_tokens"]["mean"] == 12  # 5 + 7 words
+    # the existing keys are unchanged
+    assert rep["ttft_s"]["count"] == 3 and rep["latency_s"]["count"] == 3
+
+
+def test_non_stream_prompt_tokens_and_no_tpot(server_factory):
+    srv = server_factory(lambda k, req: "ok" if k % 2 else ("shed", "2"))
+    rep = LoadGenerator(url=srv.url, model="m", concurrency=1, max_requests=4, max_tokens=3, timeout=5,
+                        max_failed=100).run()
+    _invariants(rep)
+    assert rep["failures"] == {"http_429": 2} and rep["retry_after_missing"] == 0
+    assert rep["prompt_tokens"]["mean"] == 10 and rep["tpot_s"] is None and rep["ttft_s"] is None
+    assert list(rep["failure_latency_s"]) == ["http_429"]
+
+
+def test_client_api_key_index(monkeypatch, tmp_path):
+    from ansible_collections.b300.pd.bench.pd_load_config import client_api_key
+
+    for var in ("PD_LOAD_API_KEY", "PD_API_KEY_FILE", "PD_LOAD_API_KEY_2", "PD_API_KEY_FILE_2"):
+        monkeypatch.delenv(var, raising=False)
+    f1, f2 = tmp_path / "k1", tmp_path / "k2"
+    f1.write_text("one\n")
+    f2.write_text("two\n")
+    monkeypatch.setenv("PD_API_KEY_FILE", str(f1))
+    monkeypatch.setenv("PD_API_KEY_FILE_2", str(f2))
+    assert (client_api_key(), client_api_key(1), client_api_key(index=2)) == ("one", "one", "two")
+    monkeypatch.setenv("PD_LOAD_API_KEY_2", "env-two")
+    assert client_api_key(2) == "env-two" and client_api_key() == "one"
+    monkeypatch.setenv("PD_LOAD_API_KEY", "env-one")
+    assert client_api_key() == "env-one" and client_api_key(2) == "env-two"
+    monkeypatch.delenv("PD_LOAD_API_KEY_2")
+    monkeypatch.setenv("PD_API_KEY_FILE_2", str(tmp_path / "absent"))
+    assert client_api_key(2) is None
+    monkeypatch.delenv("PD_API_KEY_FILE_2")  # default: <repo>/.cache/frontdoor/api-key-2
+    default = ROOT / ".cache" / "frontdoor" / "api-key-2"
+    expect = default.read_text().strip() or None if default.exists() else None
+    assert client_api_key(2) == expect
+    with pytest.raises(ValueError, match="integer >= 1"):
+        client_api_key(0)

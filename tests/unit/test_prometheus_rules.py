@@ -453,6 +453,138 @@ def build_tests(ctx: dict) -> list[dict]:
         ],
     })
 
+    # The front doors' admission: shed share (429) and the retry budget over all front doors, from the mtail
+    # counters per client key; requests answered 5xx without a router (no live router) per host.
+    shed_max = float(ctx["observability_frontdoor_shed_ratio_max"])
+    retry_max = float(ctx["observability_frontdoor_retry_ratio_max"])
+    down_for = int(str(ctx["observability_down_for"]).rstrip("m"))
+    door0 = {"job": "pd-frontdoor", "instance": "10.237.0.13:3903", "host": "pd-router-0"}
+    door1 = {"job": "pd-frontdoor", "instance": "10.237.0.14:3903", "host": "pd-router-1"}
+    heavy, light = {"client": "k1a2b3c4d"}, {"client": "k99887766"}
+
+    def shed_per_min(share: float, admitted: float) -> float:
+        """Shed requests a minute that make `share` of all (admitted + shed) requests."""
+        return admitted * share / (1 - share)
+
+    # 150 admitted requests a minute over two keys and two doors; the heavy key is shed at twice the threshold's
+    # share of all requests from minute 10 on.
+    tests.append({
+        "name": "Front doors shedding over the threshold vs under it",
+        "interval": "1m",
+        "input_series": [
+            s("pd_frontdoor_admitted_requests_total", {**door0, **heavy}, counter(0, 100, 40)),
+            s("pd_frontdoor_admitted_requests_total", {**door1, **light}, counter(0, 50, 40)),
+            s("pd_frontdoor_shed_requests_total", {**door0, **heavy},
+              f"0x10 {counter(0, shed_per_min(shed_max * 2, 150), 30)}"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "9m", "alertname": "PdFrontdoorShedding", "exp_alerts": []},
+            {"eval_time": "13m", "alertname": "PdFrontdoorShedding", "exp_alerts": []},  # pending: `for` 5m
+            {"eval_time": "25m", "alertname": "PdFrontdoorShedding", "exp_alerts": [{"exp_labels": warn}]},
+        ],
+        "promql_expr_test": [
+            {"expr": "round(pd_frontdoor:shed:ratio * 1000)", "eval_time": "25m",
+             "exp_samples": [{"labels": "{}", "value": round(shed_max * 2 * 1000)}]},
+            {"expr": "pd_frontdoor:shed:ratio", "eval_time": "9m", "exp_samples": [{"labels": "pd_frontdoor:shed:ratio",
+                                                                                 "value": 0}]},
+            {"expr": "round(client:pd_frontdoor_admitted_requests:rate * 60)", "eval_time": "25m",
+             "exp_samples": [{"labels": '{client="k1a2b3c4d"}', "value": 100},
+                             {"labels": '{client="k99887766"}', "value": 50}]},
+        ],
+    })
+    tests.append({
+        "name": "Front doors shedding under the threshold, or never: quiet",
+        "interval": "1m",
+        "input_series": [
+            s("pd_frontdoor_admitted_requests_total", {**door0, **heavy}, counter(0, 100, 40)),
+            s("pd_frontdoor_shed_requests_total", {**door0, **heavy},
+              counter(0, shed_per_min(shed_max / 2, 100), 40)),
+        ],
+        "alert_rule_test": [{"eval_time": "35m", "alertname": "PdFrontdoorShedding", "exp_alerts": []}],
+    })
+    tests.append({
+        "name": "Retries over the budget vs under it",
+        "interval": "1m",
+        "input_series": [
+            s("pd_frontdoor_admitted_requests_total", {**door0, **heavy}, counter(0, 60, 40)),
+            s("pd_frontdoor_admitted_requests_total", {**door1, **light}, counter(0, 40, 40)),
+            s("pd_frontdoor_retried_requests_total", {**door0, "first_backend": "pd-router-0/vllm-router",
+                                                      "first_status": "502"},
+              f"0x10 {counter(0, retry_max * 2 * 100, 30)}"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "9m", "alertname": "PdFrontdoorRetryBudgetExceeded", "exp_alerts": []},
+            {"eval_time": "13m", "alertname": "PdFrontdoorRetryBudgetExceeded", "exp_alerts": []},
+            {"eval_time": "25m", "alertname": "PdFrontdoorRetryBudgetExceeded", "exp_alerts": [{"exp_labels": warn}]},
+        ],
+        "promql_expr_test": [
+            {"expr": "round(pd_frontdoor:retried:ratio * 1000)", "eval_time": "25m",
+             "exp_samples": [{"labels": "{}", "value": round(retry_max * 2 * 1000)}]},
+        ],
+    })
+    tests.append({
+        "name": "Retries within the budget: quiet",
+        "interval": "1m",
+        "input_series": [
+            s("pd_frontdoor_admitted_requests_total", {**door0, **heavy}, counter(0, 100, 40)),
+            s("pd_frontdoor_retried_requests_total", {**door0, "first_backend": "pd-router-0/vllm-router",
+                                                      "first_status": "500"}, counter(0, retry_max / 2 * 100, 40)),
+        ],
+        "alert_rule_test": [{"eval_time": "35m", "alertname": "PdFrontdoorRetryBudgetExceeded", "exp_alerts": []}],
+    })
+    # No live router: 502 without a path on pd-router-0 from minute 5 to 25; pd-router-1 answers 401 (no key) and
+    # a router's own 503 (path pd), neither of which is the front door finding no router.
+    tests.append({
+        "name": "Front door without a live router vs refusals and routers' own errors",
+        "interval": "1m",
+        "input_series": [
+            s("pd_frontdoor_requests_total", {**door0, "status": "502", "path": "none", "backend": "none",
+                                              "client": "k1a2b3c4d"}, "0x5 10+10x20 210x15"),
+            s("pd_frontdoor_requests_total", {**door1, "status": "401", "path": "none", "backend": "none",
+                                              "client": "-"}, counter(0, 10, 40)),
+            s("pd_frontdoor_requests_total", {**door1, "status": "503", "path": "pd",
+                                              "backend": "pd-router-1/vllm-router", "client": "k99887766"},
+              counter(0, 10, 40)),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "4m", "alertname": "PdFrontdoorNoLiveRouter", "exp_alerts": []},
+            {"eval_time": f"{8 + down_for}m", "alertname": "PdFrontdoorNoLiveRouter",
+             "exp_alerts": [{"exp_labels": {**crit, "host": "pd-router-0"}}]},
+            {"eval_time": "35m", "alertname": "PdFrontdoorNoLiveRouter", "exp_alerts": []},  # routers back
+        ],
+    })
+    # Engine queue time: decode's mean at 1.5x the threshold (half the SLA's TTFT) fires, prefill's at half stays quiet.
+    qt_max = float(ctx["observability_queue_time_mean_max_s"])
+    tests.append({
+        "name": "Engine queue time over half the TTFT target vs under",
+        "interval": "1m",
+        "input_series": [
+            s("vllm:request_queue_time_seconds_sum", DEC0, counter(0, qt_max * 1.5 * 4, 40)),
+            s("vllm:request_queue_time_seconds_count", DEC0, counter(0, 4, 40)),
+            s("vllm:request_queue_time_seconds_sum", PRE0, counter(0, qt_max * 0.5 * 4, 40)),
+            s("vllm:request_queue_time_seconds_count", PRE0, counter(0, 4, 40)),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "4m", "alertname": "PdEngineQueueTimeHigh", "exp_alerts": []},
+            {"eval_time": "20m", "alertname": "PdEngineQueueTimeHigh",
+             "exp_alerts": [{"exp_labels": {**warn, "pool": "decode"}}]},
+        ],
+        "promql_expr_test": [
+            {"expr": "round(pool:vllm_request_queue_time_seconds:mean * 1000)", "eval_time": "20m",
+             "exp_samples": [{"labels": '{pool="decode"}', "value": round(qt_max * 1.5 * 1000)},
+                             {"labels": '{pool="prefill"}', "value": round(qt_max * 0.5 * 1000)}]},
+        ],
+    })
+    tests.append({
+        "name": "Engine queue time under the threshold in both pools: quiet",
+        "interval": "1m",
+        "input_series": [
+            s("vllm:request_queue_time_seconds_sum", DEC0, counter(0, qt_max * 0.9 * 4, 40)),
+            s("vllm:request_queue_time_seconds_count", DEC0, counter(0, 4, 40)),
+        ],
+        "alert_rule_test": [{"eval_time": "35m", "alertname": "PdEngineQueueTimeHigh", "exp_alerts": []}],
+    })
+
     # RSS growth (the recipe's leak): 10 h at 1-minute samples.
     n = 600
     gib = 1024**3
@@ -623,6 +755,10 @@ def test_every_alert_is_tested_firing_and_quiet(tmp_path):
         ("VllmTTFTMeanOverSLA", ">", "<"),  # inverted comparison
         ("VllmProcessRSSGrowing", "deriv_per_hour >", "deriv_per_hour > 1e12 *"),  # threshold far too high
         ("VllmInstanceDown", "== 0", "== 2"),
+        ("PdFrontdoorShedding", ">", "<"),
+        ("PdFrontdoorRetryBudgetExceeded", "ratio >", "ratio > 10 *"),
+        ("PdFrontdoorNoLiveRouter", 'status=~"5.."', 'status=~"4.."'),
+        ("PdEngineQueueTimeHigh", "mean >", "mean > 2 *"),
     ],
 )
 def test_promtool_tests_catch_a_broken_rule(tmp_path, alert, old, new):

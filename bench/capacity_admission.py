@@ -1,0 +1,61 @@
+"""The front door's admission limit from a capacity report: requests in flight at each context length's SLA knee.
+
+Little's law: at the highest rate that met the SLA, the requests in flight are rate x mean latency, where the
+latency of a request is its mean TTFT plus (output tokens - 1) x its mean TPOT, as `vllm bench serve` measured them
+at that rate. The front door admits at most the fewest of these over the measured context lengths (the longest
+context usually: it has the least capacity), so that whatever the mix of context lengths within pd_sla's range, what
+is admitted is served within the SLA. The limit is written as inventory data (pd_frontdoor_max_inflight), never
+parsed back from the front door's config.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def inflight_at_knee(context: dict, output_len: int) -> float | None:
+    """Mean requests in flight over the passing points at the context's max rate; None without one."""
+    rate = context.get("max_rate") or 0
+    pts = [p for p in context.get("points", []) if p.get("passed") and p.get("rate") == rate
+           and p.get("request_throughput") and p.get("mean_ttft_ms") is not None and p.get("mean_tpot_ms") is not None]
+    if not pts:
+        return None
+    values = [p["request_throughput"] * (p["mean_ttft_ms"] + max(0, output_len - 1) * p["mean_tpot_ms"]) / 1000.0
+              for p in pts]
+    return sum(values) / len(values)
+
+
+def admission_limit(report: dict, front_doors: int = 1) -> dict:
+    """{"max_inflight": N (0 when nothing met the SLA), "by_context": {ctx: in flight}, "front_doors", "rule"}."""
+    if front_doors < 1:
+        raise ValueError(f"front_doors {front_doors}: need at least 1 front door taking clients")
+    by_ctx = {}
+    for c in report.get("contexts", []):
+        v = inflight_at_knee(c, int(report.get("output_len") or 1))
+        if v is not None:
+            by_ctx[int(c["context"])] = round(v, 2)
+    cluster = min(by_ctx.values()) if by_ctx else 0.0
+    per_door = max(1, math.floor(cluster / front_doors)) if cluster >= 1 else 0
+    return {"max_inflight": per_door, "cluster_inflight": round(cluster, 2), "by_context": by_ctx,
+            "front_doors": front_doors,
+            "rule": "fewest requests in flight (max rate x (mean TTFT + (output-1) x mean TPOT)) over the contexts, "
+                    "divided by the front doors taking clients, rounded down"}
+
+
+def inventory_patch(limit: dict, report_path: str) -> str:
+    """A group_vars file setting pd_frontdoor_max_inflight, saying where the figure comes from."""
+    ctx = ", ".join(f"{k} tokens: {v:g}" for k, v in sorted(limit["by_context"].items())) or "none met the SLA"
+    return ("---\n"
+            "# Written by bench/sla_capacity.py --admission-file: the front door's admission limit\n"
+            f"# (roles/pd_frontdoor) from {report_path}.\n"
+            f"# Requests in flight at each context's SLA knee: {ctx}; the fewest, over {limit['front_doors']}\n"
+            "# front door(s). Re-measure after a change of hardware, model or flags.\n"
+            f"pd_frontdoor_max_inflight: {limit['max_inflight']}\n")
+
+
+def write_patch(path: str, limit: dict, report_path: str) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(inventory_patch(limit, report_path))
+    return out

@@ -1,0 +1,44 @@
+"""bench/capacity_admission.py: the front door's admission limit from a capacity report (Little's law at each
+context's SLA knee, the fewest over the contexts, per front door), and the inventory patch it writes."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from ansible_collections.b300.pd.bench.capacity_admission import admission_limit, inflight_at_knee, inventory_patch
+
+
+def _ctx(context, max_rate, points):
+    return {"context": context, "max_rate": max_rate, "points": [
+        {"rate": r, "passed": ok, "request_throughput": thr, "mean_ttft_ms": ttft, "mean_tpot_ms": tpot}
+        for r, ok, thr, ttft, tpot in points]}
+
+
+REPORT = {"output_len": 33, "contexts": [
+    # 256 tokens: 60 req/s met at 0.2 s TTFT + 32 x 5 ms = 0.36 s -> 21.6 in flight (a miss at 80 is ignored)
+    _ctx(256, 60.0, [(60.0, True, 60.0, 200.0, 5.0), (80.0, False, 70.0, 3000.0, 30.0)]),
+    # 3072 tokens: two passing repeats at 10 req/s: 10 x (1.0 + 0.16) = 11.6 and 9.5 x (1.2 + 0.16) = 12.92
+    _ctx(3072, 10.0, [(10.0, True, 10.0, 1000.0, 5.0), (10.0, True, 9.5, 1200.0, 5.0),
+                      (5.0, True, 5.0, 100.0, 5.0)]),
+]}
+
+
+def test_inflight_is_rate_times_latency_at_the_knee():
+    assert inflight_at_knee(REPORT["contexts"][0], 33) == pytest.approx(60 * 0.36)
+    assert inflight_at_knee(REPORT["contexts"][1], 33) == pytest.approx((11.6 + 12.92) / 2)
+    assert inflight_at_knee(_ctx(3072, 0.0, [(1.0, False, 1.0, 9000.0, 5.0)]), 33) is None
+
+
+def test_limit_is_the_fewest_over_contexts_per_front_door():
+    one = admission_limit(REPORT)
+    assert one["max_inflight"] == 12 and one["by_context"] == {256: 21.6, 3072: 12.26}
+    assert admission_limit(REPORT, front_doors=2)["max_inflight"] == 6
+    assert admission_limit({"output_len": 33, "contexts": [_ctx(256, 0.0, [])]})["max_inflight"] == 0
+    with pytest.raises(ValueError, match="front_doors"):
+        admission_limit(REPORT, front_doors=0)
+
+
+def test_patch_is_a_group_vars_file_naming_its_source():
+    text = inventory_patch(admission_limit(REPORT), "reports/capacity/x/report.json")
+    assert yaml.safe_load(text) == {"pd_frontdoor_max_inflight": 12}
+    assert "reports/capacity/x/report.json" in text and "3072 tokens: 12.26" in text
