@@ -37,6 +37,7 @@ class Instance:
         self.running, self.kv_tokens = 0, 0.0
         self.pd_text, self.count_kv = None, True  # faults: P/D answer differs, no KV-transfer counted
         self.kv_usage, self.metrics_gets = [0.0], 0  # vllm:kv_cache_usage_perc per /metrics read (last one stays)
+        self.requests, self.refuse = [], ()  # every POST (path, body); request fields answered with a 400
         inst = self
 
         class H(QuietJSONHandler):
@@ -59,6 +60,17 @@ class Instance:
 
             def do_POST(self):
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                inst.requests.append((self.path, req))
+                if self.path == "/tokenize":  # as vLLM: a count and the window (one token per word here)
+                    return self._send(200, {"count": len(req["prompt"].split()), "max_model_len": 4096,
+                                            "tokens": []})
+                if inst.refuse and any(k in req for k in inst.refuse):
+                    return self._send(400, {"error": {"message": f"{inst.refuse} not supported"}})
+                if req.get("stream"):
+                    inst.log.append("whole")
+                    return self._send(200, 'data: {"choices": [{"index": 0, "text": "tok"}]}\n\n'
+                                           'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
+                                           "data: [DONE]\n\n", "text/event-stream")
                 kv = req.get("kv_transfer_params")
                 n = int(req.get("max_tokens") or 1)
                 out = {"id": "c", "object": "text_completion", "model": "m",
@@ -73,7 +85,8 @@ class Instance:
                     if kv and inst.count_kv:
                         inst.kv_tokens += 5
                     text = inst.pd_text if kv and inst.pd_text else inst.text
-                out["choices"] = [{"index": 0, "text": text, "finish_reason": "length"}]
+                out["choices"] = [{"index": i, "text": text, "finish_reason": "length"}
+                                  for i in range(req.get("n") or 1)]
                 return self._send(200, out)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -144,6 +157,9 @@ def inventory(tmp_path, p0, p1, d0, router_url):
         "vars": {"pd_served_model_name": "m", "pd_rollout_router_host": "hp", "pd_rollout_router_urls": [router_url],
                  "pd_rollout_router_python": sys.executable, "pd_rollout_router_tool": str(TOOL),
                  "pd_rollout_drain_settle_s": 0, "pd_rollout_drain_poll_s": 1, "pd_rollout_smoke_max_tokens": 3,
+                 # the warm-up's context lengths and the flags that decide its skipped features
+                 "pd_sla": {"context_min_tokens": 16, "context_max_tokens": 64},
+                 "pd_vllm_flags_common": {"reasoning-parser": "deepseek_r1"},
                  "out_dir": str(tmp_path)},
         "children": {
             "vllm_hosts": {"hosts": {
@@ -192,17 +208,41 @@ def test_drain_decode_fallback_checks_and_back(tmp_path):
         # The P/D smoke went through the decode instance with a prefill partner; the warm-up ran alone.
         assert "whole" in d0.log and any(x.startswith("decode-after-p") for x in d0.log)
         assert "prefill" in p0.log + p1.log
+        # Before the P/D smoke the instance alone was warmed on every feature its flags serve (issue #31): logprobs
+        # (completions and chat), prompt_logprobs, n, chat, reasoning, structured output, streams; completion at
+        # both context lengths (one token per word in the stub's /tokenize); tools skipped (no tool parser).
+        warm = [(path, body) for path, body in d0.requests
+                if path != "/tokenize" and not body.get("kv_transfer_params")]
+        assert ("/v1/completions", 1) in [(path, body.get("logprobs")) for path, body in warm]
+        assert ("/v1/chat/completions", True) in [(path, body.get("logprobs")) for path, body in warm]
+        assert any(body.get("prompt_logprobs") == 1 for _path, body in warm)
+        assert any(body.get("n") == 2 for _path, body in warm)
+        assert any(body.get("response_format", {}).get("type") == "json_schema" for _path, body in warm)
+        assert any(body.get("include_reasoning") for _path, body in warm)
+        assert not any("tools" in body for _path, body in warm)
+        assert {path for path, body in warm if body.get("stream")} == {"/v1/completions", "/v1/chat/completions"}
+        lengths = sorted(len(body["prompt"].split()) for path, body in warm
+                         if path == "/v1/completions" and set(body) == {"model", "prompt", "max_tokens", "temperature",
+                                                                          "ignore_eos"})
+        assert lengths[0] <= 16 and lengths[-1] >= 60, lengths
+        said = " ".join(p.stdout.split())
+        assert "pd_rollout: decode-0 warmed in" in said, p.stdout[-3000:]
+        assert "(seconds per feature): completion " in said, said[said.index("warmed in"):][:600]
+        assert 'skipped: {"tools": "the instance runs without --enable-auto-tool-choice' in said
         status, text = call("GET", base + "/workers")
         reg = {w["url"]: w["worker_type"] for w in json.loads(text)["workers"]}
         assert reg == {f"http://127.0.0.1:{p0.port}": "prefill", f"http://127.0.0.1:{p1.port}": "prefill",
                        f"http://127.0.0.1:{d0.port}": "decode"}
 
 
-@pytest.mark.parametrize("fault", ["busy", "pd_text", "no_kv"])
+@pytest.mark.parametrize("fault", ["busy", "pd_text", "no_kv", "logprobs"])
 def test_failures_stop_with_a_clear_message(tmp_path, fault):
     p0, p1, d0 = Instance("p0"), Instance("p1"), Instance("d0")
     pb = PLAYBOOK
-    if fault == "busy":
+    if fault == "logprobs":
+        d0.refuse = ("logprobs",)
+        want = "the warm-up of feature 'logprobs' failed (POST /v1/completions"
+    elif fault == "busy":
         d0.running = 3
         pb = PLAYBOOK.replace("    - name: Wait idle\n",
                               "    - name: Wait idle\n      vars: {pd_rollout_drain_timeout_s: 2}\n")

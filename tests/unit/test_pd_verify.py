@@ -423,3 +423,26 @@ def test_warmup_request_is_retried_once_and_reported():
     assert first and final  # failed twice: the step fails
     calls.clear()
     assert pv._warm(flaky(0), sleep=lambda _s: None) == (None, None) and len(calls) == 1
+
+
+def test_warmup_step_reports_each_instance_alone_and_fails_on_one(cluster):
+    """roles/pd_verify warms every instance alone on each request feature (module pd_instance_warmup, issue #31) and
+    hands the results in as warmup.instances: shown per instance in the report, a failed one fails the step."""
+    feats = {"logprobs": {"status": 200, "seconds": 0.05, "skipped_reason": None, "requests": []},
+             "tools": {"status": "skipped", "seconds": 0, "skipped_reason": "no --tool-call-parser", "requests": []}}
+    good = {"name": "prefill-0", "pool": "prefill", "ok": True, "error": "", "seconds": 0.05,
+            "context_tokens": [32, 256], "features": feats}
+    rep = pv.run_all(cluster.config(warmup={"instances": [good]}), steps=("readiness", "warmup"))
+    assert rep["ok"], rep["failures"]
+    inst = rep["steps"]["warmup"]["instances"]
+    assert inst[0]["features"]["logprobs"] == {"status": 200, "seconds": 0.05, "skipped_reason": None}
+    md = pv.render_markdown(rep)
+    assert "- prefill-0 (prefill): ok; logprobs 0.05; skipped (flags): tools" in md
+    bad = dict(good, name="decode-0", pool="decode", ok=False,
+               error="pd_instance_warmup: the warm-up of feature 'logprobs' failed: HTTP 500")
+    rep = pv.run_all(cluster.config(warmup={"instances": [good, bad]}), steps=("readiness", "warmup"))
+    assert not rep["ok"]
+    assert rep["failures"] == ["warmup instance decode-0: pd_instance_warmup: the warm-up of feature 'logprobs' "
+                               "failed: HTTP 500"]
+    # the warmup through the router still ran
+    assert [r["concurrency"] for r in rep["steps"]["warmup"]["runs"] if r["kind"] == "batch"] == [1, 2]

@@ -3,7 +3,9 @@
 
 Steps (each returns a JSON-able dict with ``ok`` and details):
   readiness    every instance: GET /health == 200 and /v1/models lists the served model; the router likewise
-  warmup       through the router: concurrency 1..N at the shortest context, then the context range; a request
+  warmup       every instance alone on every request feature (logprobs, chat, structured output, ...: roles/pd_verify
+               runs module pd_instance_warmup before the script and hands its results in as warmup.instances), then
+               through the router: concurrency 1..N at the shortest context, then the context range; a request
                that fails is retried once after 5 s (first NIXL handshake under load) and reported
   kv_transfer  the same greedy prompts via the router (P/D) and directly to one instance (colocated):
                identical token ids; decode /metrics deltas show KV transferred, not recomputed
@@ -297,12 +299,29 @@ def _warm(fn, sleep=time.sleep):
         return first, str(e)
 
 
+def instance_warmups(results):
+    """The per-instance feature warm-up roles/pd_verify ran before the script (module pd_instance_warmup, one result
+    per instance: name, ok, error, seconds, features {name: {status, seconds, skipped_reason}}) -> (summaries,
+    errors)."""
+    summaries, errors = [], []
+    for r in results or []:
+        feats = r.get("features") or {}
+        summaries.append({"name": r.get("name"), "pool": r.get("pool"), "ok": bool(r.get("ok")),
+                          "seconds": r.get("seconds"), "context_tokens": r.get("context_tokens") or [],
+                          "features": {f: {"status": v.get("status"), "seconds": v.get("seconds"),
+                                           "skipped_reason": v.get("skipped_reason")} for f, v in feats.items()}})
+        if not r.get("ok"):
+            errors.append(f"warmup instance {r.get('name')}: {r.get('error') or 'failed'}")
+    return summaries, errors
+
+
 def step_warmup(cfg, prompts, sleep=time.sleep):
     w = cfg["warmup"]
     model, router = cfg["model"], cfg["router_url"]
     out_tok = int(w["output_tokens"])
     lengths = context_lengths(cfg)
-    runs, errors, retried = [], [], []
+    instances, errors = instance_warmups(w.get("instances"))
+    runs, retried = [], []
     base_prompt, base_count = prompts.make(lengths[0], 1)
     for conc in w["concurrency"]:
         t0 = time.perf_counter()
@@ -332,7 +351,7 @@ def step_warmup(cfg, prompts, sleep=time.sleep):
                      "seconds": round(time.perf_counter() - t0, 3), "error": err, "retried_after": first})
     # A request that failed twice fails the step; one that failed once and then passed is reported, not failed.
     return {"ok": not errors, "context_lengths": lengths, "runs": runs, "errors": errors,
-            "failed_then_passed": retried}
+            "failed_then_passed": retried, "instances": instances}
 
 
 def _token_ids(resp, tokenize):
@@ -614,6 +633,14 @@ def render_markdown(rep):
     if "readiness" in st and st["readiness"].get("targets"):
         lines += ["", "## Readiness", ""] + [
             f"- {t['name']} {t['url']}: {'ready' if t['ok'] else t.get('error')}" for t in st["readiness"]["targets"]]
+    if st.get("warmup", {}).get("instances"):
+        lines += ["", "## Warm-up of each instance alone (request features, seconds)", ""]
+        for i in st["warmup"]["instances"]:
+            feats = i.get("features") or {}
+            done = ", ".join(f"{f} {v.get('seconds')}" for f, v in feats.items() if v.get("status") == 200)
+            skipped = ", ".join(f for f, v in feats.items() if v.get("status") == "skipped")
+            lines.append(f"- {i['name']} ({i.get('pool')}): {'ok' if i['ok'] else 'FAIL'}; {done or 'none warmed'}"
+                         + (f"; skipped (flags): {skipped}" if skipped else ""))
     if st.get("warmup", {}).get("failed_then_passed"):
         lines += ["", "## Warm-up requests that failed once and passed on retry", ""] + [
             f"- {e}" for e in st["warmup"]["failed_then_passed"]]
