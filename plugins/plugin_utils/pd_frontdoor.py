@@ -12,9 +12,11 @@ written into nginx's config as ``"Bearer <key>"``: no quotes, spaces or semicolo
 ``pd_frontdoor_key_map(keys)`` -> ``[{"pattern", "label"}]``: each key as a case-sensitive nginx map regex of
 "Bearer <key>" and its label, "k" + the first 8 hex characters of the key's sha256 (what logs and metrics show).
 
-``pd_frontdoor_admission(max_inflight, key_max_share, client_max_body_size, max_model_len)`` -> the admission limits
-nginx enforces: ``{"max_inflight", "max_inflight_per_key", "client_max_body_size"}`` (the body limit derived from the
-model's context when not given).
+``pd_frontdoor_admission(max_inflight, key_share, reserve_share, client_max_body_size, max_model_len)`` -> the
+admission limits nginx enforces: ``{"max_inflight" (M), "key_share_inflight" (a key with fewer in flight is under its
+share), "reserve" (R), "max_inflight_under_share" (M + R: what keys under their share may fill), "client_max_body_size"}``
+(the body limit derived from the model's context when not given). Keys over their share are admitted while fewer
+than M are in flight, keys under it while fewer than M + R: one key alone can fill the cluster, another key finds room.
 
 Errors name the field and the fix (contributing.md).
 """
@@ -92,17 +94,25 @@ def _whole(name, value, low, high, hint):
     return int(value)
 
 
-def pd_frontdoor_admission(max_inflight, key_max_share, client_max_body_size="", max_model_len=262144):
-    limit = _whole("pd_frontdoor_max_inflight", max_inflight, 0, 1_000_000,
-                   "requests in flight this front door admits, as bench/sla_capacity.py measures it; 0 = no limit")
+def _fraction(name, value, hint):
     try:
-        share = float(key_max_share)
+        share = float(value)
     except (TypeError, ValueError):
         share = -1.0
-    if isinstance(key_max_share, bool) or not 0 < share <= 1:
-        fail(f"pd_frontdoor: pd_frontdoor_key_max_share is {key_max_share!r}: give a fraction in (0, 1], the most of "
-             "pd_frontdoor_max_inflight one client key may hold (e.g. 0.5)")
-    per_key = max(1, math.ceil(limit * share)) if limit else 0
+    if isinstance(value, bool) or not 0 < share <= 1:
+        fail(f"pd_frontdoor: {name} is {value!r}: give a fraction in (0, 1], {hint}")
+    return share
+
+
+def pd_frontdoor_admission(max_inflight, key_share, reserve_share=0.5, client_max_body_size="", max_model_len=262144):
+    limit = _whole("pd_frontdoor_max_inflight", max_inflight, 0, 1_000_000,
+                   "requests in flight this front door admits, as bench/sla_capacity.py measures it; 0 = no limit")
+    share = _fraction("pd_frontdoor_key_share", key_share,
+                      "the part of pd_frontdoor_max_inflight below which a key is under its share (e.g. 0.5)")
+    reserve = _fraction("pd_frontdoor_reserve_share", reserve_share,
+                        "the part of pd_frontdoor_max_inflight held back for keys under their share (e.g. 0.5)")
+    key_share_inflight = max(1, math.ceil(limit * share)) if limit else 0
+    reserved = max(1, math.ceil(limit * reserve)) if limit else 0
     if client_max_body_size in (None, ""):
         tokens = _whole("pd_frontdoor_max_model_len", max_model_len, 1, 100_000_000,
                         "the model's context in tokens, max-model-len of pd_vllm_flags_common")
@@ -112,4 +122,5 @@ def pd_frontdoor_admission(max_inflight, key_max_share, client_max_body_size="",
     else:
         fail(f"pd_frontdoor: pd_frontdoor_client_max_body_size is {client_max_body_size!r}: give an nginx size "
              "(e.g. 16m, 512k) or \"\" to derive it from pd_frontdoor_max_model_len")
-    return {"max_inflight": limit, "max_inflight_per_key": per_key, "client_max_body_size": body}
+    return {"max_inflight": limit, "key_share_inflight": key_share_inflight, "reserve": reserved,
+            "max_inflight_under_share": limit + reserved, "client_max_body_size": body}

@@ -169,8 +169,9 @@ def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
            "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
            "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY, KEY2], "pd_frontdoor_model": "tiny-pd",
            "_pd_frontdoor_admission": pdf.pd_frontdoor_admission(
-               admission.get("max_inflight", 0), admission.get("share", 0.5), admission.get("body", ""),
-               admission.get("max_model_len", 4096)),
+               admission.get("max_inflight", 0), admission.get("share", 0.5), admission.get("reserve", 0.5),
+               admission.get("body", ""), admission.get("max_model_len", 4096)),
+           "pd_frontdoor_gate_port": _free_port(),
            **extra}
     (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
     (tmp / "api-keys.map").write_text(env.get_template("api-keys.map.j2").render(**ctx))
@@ -395,16 +396,19 @@ def test_connection_limit_tasks_edit_debians_nginx_conf_and_nginx_accepts_it(tmp
 # --- admission, retries that never amplify, slow and hostile clients (issue #31) -----------------------------------
 
 def test_admission_limits_are_derived_and_checked():
-    assert pdf.pd_frontdoor_admission(20, 0.5, "", 4096) == {
-        "max_inflight": 20, "max_inflight_per_key": 10, "client_max_body_size": "1152k"}
-    assert pdf.pd_frontdoor_admission("7", 0.3, "16m")["max_inflight_per_key"] == 3  # rounded up
-    assert pdf.pd_frontdoor_admission(0, 0.5, "", 262144) == {
-        "max_inflight": 0, "max_inflight_per_key": 0, "client_max_body_size": "9216k"}
+    assert pdf.pd_frontdoor_admission(20, 0.5, 0.25, "", 4096) == {
+        "max_inflight": 20, "key_share_inflight": 10, "reserve": 5, "max_inflight_under_share": 25,
+        "client_max_body_size": "1152k"}
+    assert pdf.pd_frontdoor_admission("7", 0.3, 0.5, "16m")["key_share_inflight"] == 3  # rounded up
+    assert pdf.pd_frontdoor_admission(0, 0.5, 0.5, "", 262144) == {
+        "max_inflight": 0, "key_share_inflight": 0, "reserve": 0, "max_inflight_under_share": 0,
+        "client_max_body_size": "9216k"}
     for args, match in (((-1, 0.5), "pd_frontdoor_max_inflight"), (("lots", 0.5), "pd_frontdoor_max_inflight"),
-                        ((True, 0.5), "pd_frontdoor_max_inflight"), ((10, 0), "pd_frontdoor_key_max_share"),
-                        ((10, 1.5), "pd_frontdoor_key_max_share"), ((10, "half"), "pd_frontdoor_key_max_share"),
-                        ((10, 0.5, "64 m; return 200"), "pd_frontdoor_client_max_body_size"),
-                        ((10, 0.5, "", "4k"), "pd_frontdoor_max_model_len")):
+                        ((True, 0.5), "pd_frontdoor_max_inflight"), ((10, 0), "pd_frontdoor_key_share"),
+                        ((10, 1.5), "pd_frontdoor_key_share"), ((10, "half"), "pd_frontdoor_key_share"),
+                        ((10, 0.5, -0.1), "pd_frontdoor_reserve_share"),
+                        ((10, 0.5, 0.5, "64 m; return 200"), "pd_frontdoor_client_max_body_size"),
+                        ((10, 0.5, 0.5, "", "4k"), "pd_frontdoor_max_model_len")):
         with pytest.raises(ERR, match=match):
             pdf.pd_frontdoor_admission(*args)
 
@@ -440,18 +444,21 @@ def _concurrently(url, keys, body=b'{"prompt": "hi"}'):
 
 
 @needs_nginx
-def test_admission_sheds_at_once_with_429_and_keeps_a_share_for_every_key(tmp_path):
+def test_admission_sheds_at_once_fills_the_cluster_with_one_key_and_keeps_room_for_another(tmp_path):
+    # M = 4 in flight, a key's share 2, a reserve of 2 for keys under their share (M + R = 6).
     up = _Upstream("pd", "sleep-1.5")
     port = _free_port()
     _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
-            admission={"max_inflight": 4, "share": 0.5}, pd_frontdoor_retry_after_s=3)
+            admission={"max_inflight": 4, "share": 0.5, "reserve": 0.5}, pd_frontdoor_retry_after_s=3)
     try:
         with _nginx(tmp_path, port):
             url = f"http://127.0.0.1:{port}/v1/completions"
-            # KEY sends 4 at once: 2 admitted (its share of 4), 2 refused at once. KEY2 then gets both of its own.
-            res = _concurrently(url, [KEY, KEY, KEY, KEY, KEY2, KEY2, KEY2])
+            # KEY alone sends 6 at once: 2 under its share, 2 more over it while fewer than M are in flight (one key
+            # fills the cluster), 2 refused at once. KEY2, under its share, then finds the reserve: 2 admitted (6 in
+            # flight), its third is over its share with M already in flight: refused.
+            res = _concurrently(url, [KEY] * 6 + [KEY2] * 3)
             statuses = [r[0] for r in res]
-            assert statuses == [200, 200, 429, 429, 200, 200, 429], statuses
+            assert statuses == [200, 200, 200, 200, 429, 429, 200, 200, 429], statuses
             for status, seconds, headers, body in res:
                 if status == 429:
                     assert seconds < 0.5, seconds  # at once, not after a queue
@@ -459,13 +466,20 @@ def test_admission_sheds_at_once_with_429_and_keeps_a_share_for_every_key(tmp_pa
                     err = json.loads(body)["error"]
                     assert err["code"] == 429 and err["type"] == "rate_limit_exceeded" and "retry after 3 s" in \
                         err["message"]
-            assert len(up.seen) == 4  # nothing refused reached a router
+            assert len(up.seen) == 6  # nothing refused reached a router
+            assert all(s["auth"] is None for s in up.seen)  # nor the key, through the gate either
             # When the admitted ones are done, the door admits again.
             assert _req(url, key=KEY)[0] == 200
-            log = (tmp_path / "access.log").read_text()
-            assert log.count("status=429 client=" + pdf.key_label(KEY)) == 2
-            assert log.count("status=429 client=" + pdf.key_label(KEY2)) == 1
-            assert KEY not in log and KEY2 not in log
+            log = (tmp_path / "access.log").read_text().splitlines()
+            assert len(log) == 10  # every request once, whichever server took it
+            assert sum("status=429 client=" + pdf.key_label(KEY) in ln for ln in log) == 2
+            assert sum("status=429 client=" + pdf.key_label(KEY2) in ln for ln in log) == 1
+            assert sum("status=200 client=" + pdf.key_label(KEY) + " path=pd backend=r/vllm-router" in ln
+                       for ln in log) == 5
+            assert not any(KEY in ln or KEY2 in ln for ln in log)
+            # The gate checks the key too: a client on the router host cannot use it to skip the door.
+            gate = (tmp_path / "pd-frontdoor.conf").read_text().split("listen 127.0.0.1:")[1].split(";")[0]
+            assert _req(f"http://127.0.0.1:{gate}/v1/completions")[0] == 401
     finally:
         up.close()
 

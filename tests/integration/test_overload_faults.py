@@ -1,0 +1,57 @@
+"""SLA under stress on the embedded default (issue #31): overload through the front door is shed at once, and a
+prefill crash under load fails no request.
+
+Runs after tests/integration/test_sla_capacity_search.py in the same session: the overload is 3x the max rate that
+search measured at its longest context (~3000 prompt tokens), the same hour, on the same stack; the front door's
+admission limit is the inventory's pd_frontdoor_max_inflight (bench/sla_capacity.py --admission-file wrote it).
+Shorter than the benchmark (bench/pd_overload.py: 60 s; here 30 s) so that CI stays within its bound; the criteria
+are the same. The prefill kills are bench/pd_faults.py's scenarios (kill -9 of the main PID, SIGKILL of the whole
+unit) under the closed loop of 2 clients, once each here; the benchmark repeats them (--repeats 5) and in open loop.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from ansible_collections.b300.pd.bench.pd_faults import Stack, run_scenario, wait_ready
+from ansible_collections.b300.pd.bench.pd_overload import max_rate_from_report, run_overload
+from test_local_stack import INVENTORY, REPORTS, record, wait_until_routed
+from test_local_stack import inventory as _inventory_fixture
+
+inventory = _inventory_fixture  # the session fixture of test_local_stack.py (addresses from the inventory)
+
+CAPACITY_REPORT = REPORTS / "capacity" / "report.json"
+OVERLOAD_S = 30
+PROMPT_TOKENS = 3000
+
+
+def test_overload_is_shed_at_once_and_what_is_admitted_meets_the_sla(inventory):
+    if not CAPACITY_REPORT.exists():
+        pytest.fail(f"{CAPACITY_REPORT} is missing: run tests/integration/test_sla_capacity_search.py first "
+                    "(scripts/test local)")
+    max_rate, context = max_rate_from_report(str(CAPACITY_REPORT), PROMPT_TOKENS)
+    assert max_rate > 0, f"the capacity search found no passing rate at {context} tokens"
+    assert inventory["hostvars"][inventory["router_host"]].get("pd_frontdoor_max_inflight", 0) > 0, (
+        "inventory/local sets no admission limit (pd_frontdoor_max_inflight)")
+    wait_until_routed(inventory, 180, "overload")
+    rep = run_overload(INVENTORY, max_rate, "heavy=2.7,light=0.3", duration=OVERLOAD_S, max_tokens=32, timeout=60)
+    record("overload", {"max_rate": max_rate, "context": context, "passed": rep["passed"],
+                        "criteria": rep["criteria"], "keys": rep["keys"], "overall": rep["overall"]})
+    failed = [c for c in rep["criteria"] if not c["passed"]]
+    assert not failed, json.dumps(failed, indent=1)
+
+
+@pytest.mark.parametrize("scenario", ["kill-prefill", "kill-prefill-unit"])
+def test_prefill_crash_under_load_fails_no_request(inventory, scenario):
+    stack = Stack(INVENTORY)
+    assert wait_ready(stack, 600, 5.0) is not None, "the stack did not recover from the previous test"
+    args = SimpleNamespace(concurrency=2, rate=None, max_tokens=8, prompt_words=32, request_timeout=120, warm_s=10,
+                           settle_s=10, recovery_timeout=600, router_down_s=10)
+    res = run_scenario(stack, scenario, args)
+    record(f"fault-{scenario}", {k: v for k, v in res.items() if k != "latency_s"})
+    assert "error" not in res, res["error"]
+    assert res["healthy_after_s"] is not None, f"{scenario}: the instance did not come back"
+    req = res["requests"]
+    assert req["failed"] == 0 and req["completed"] > 0, (req, res["error_samples"])
