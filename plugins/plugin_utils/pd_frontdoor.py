@@ -13,10 +13,11 @@ written into nginx's config as ``"Bearer <key>"``: no quotes, spaces or semicolo
 "Bearer <key>" and its label, "k" + the first 8 hex characters of the key's sha256 (what logs and metrics show).
 
 ``pd_frontdoor_admission(max_inflight, key_share, reserve_share, client_max_body_size, max_model_len)`` -> the
-admission limits nginx enforces: ``{"max_inflight" (M), "key_share_inflight" (a key with fewer in flight is under its
-share), "reserve" (R), "max_inflight_under_share" (M + R: what keys under their share may fill), "client_max_body_size"}``
-(the body limit derived from the model's context when not given). Keys over their share are admitted while fewer
-than M are in flight, keys under it while fewer than M + R: one key alone can fill the cluster, another key finds room.
+admission limits nginx enforces: ``max_inflight`` (M), ``key_share_inflight`` (a key with fewer in flight is under
+its share), ``reserve`` (R), ``max_inflight_under_share`` (M + R: what keys under their share may fill) and
+``client_max_body_size`` (derived from the model's context when not given). Keys over their share are admitted while
+fewer than M are in flight, keys under it while fewer than M + R: one key alone can fill the cluster, and another key
+still finds room.
 
 Errors name the field and the fix (contributing.md).
 """
