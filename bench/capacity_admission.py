@@ -4,7 +4,8 @@ Little's law: at the highest rate that met the SLA, the requests in flight are r
 latency of a request is its mean TTFT plus (output tokens - 1) x its mean TPOT, as `vllm bench serve` measured them
 at that rate. The front door admits at most the fewest of these over the measured context lengths (the longest
 context usually: it has the least capacity), so that whatever the mix of context lengths within pd_sla's range, what
-is admitted is served within the SLA. The limit is written as inventory data (pd_frontdoor_max_inflight), never
+is admitted is served within the SLA. The limit is written as inventory data (pd_frontdoor_max_inflight, with
+pd_frontdoor_max_rate: the max rate of the context that set it, of which a client key's share is a part), never
 parsed back from the front door's config.
 """
 
@@ -27,31 +28,44 @@ def inflight_at_knee(context: dict, output_len: int) -> float | None:
 
 
 def admission_limit(report: dict, front_doors: int = 1) -> dict:
-    """{"max_inflight": N (0 when nothing met the SLA), "by_context": {ctx: in flight}, "front_doors", "rule"}."""
+    """{"max_inflight": N (0 when nothing met the SLA), "by_context": {ctx: in flight}, "used": [ctx], "front_doors",
+    "rule"}. A context whose search never saw a failing rate (no bracket: its max rate is only a lower bound, e.g. a
+    short context on a small search) is left out while another context has a bracket."""
     if front_doors < 1:
         raise ValueError(f"front_doors {front_doors}: need at least 1 front door taking clients")
-    by_ctx = {}
+    by_ctx, bracketed = {}, []
     for c in report.get("contexts", []):
         v = inflight_at_knee(c, int(report.get("output_len") or 1))
         if v is not None:
             by_ctx[int(c["context"])] = round(v, 2)
-    cluster = min(by_ctx.values()) if by_ctx else 0.0
+            if c.get("fail_rate") is not None:
+                bracketed.append(int(c["context"]))
+    used = bracketed or sorted(by_ctx)
+    cluster = min(by_ctx[c] for c in used) if used else 0.0
+    # The rate a key's share is a part of: the max rate of the context that set the limit.
+    binding = min(used, key=lambda c: by_ctx[c]) if used else None
+    rate = next((float(c["max_rate"]) for c in report.get("contexts", []) if int(c["context"]) == binding), 0.0)
     per_door = max(1, math.floor(cluster / front_doors)) if cluster >= 1 else 0
     return {"max_inflight": per_door, "cluster_inflight": round(cluster, 2), "by_context": by_ctx,
-            "front_doors": front_doors,
-            "rule": "fewest requests in flight (max rate x (mean TTFT + (output-1) x mean TPOT)) over the contexts, "
-                    "divided by the front doors taking clients, rounded down"}
+            "used": sorted(used), "front_doors": front_doors,
+            "max_rate": round(rate / front_doors, 3) if per_door else 0, "binding_context": binding,
+            "rule": "fewest requests in flight (max rate x (mean TTFT + (output-1) x mean TPOT)) over the contexts "
+                    "whose search bracketed the knee, divided by the front doors taking clients, rounded down"}
 
 
 def inventory_patch(limit: dict, report_path: str) -> str:
     """A group_vars file setting pd_frontdoor_max_inflight, saying where the figure comes from."""
-    ctx = ", ".join(f"{k} tokens: {v:g}" for k, v in sorted(limit["by_context"].items())) or "none met the SLA"
+    ctx = ", ".join(f"{k} tokens: {v:g}" + ("" if k in limit.get("used", [k]) else " (no bracket, left out)")
+                    for k, v in sorted(limit["by_context"].items())) or "none met the SLA"
     return ("---\n"
             "# Written by bench/sla_capacity.py --admission-file: the front door's admission limit\n"
             f"# (roles/pd_frontdoor) from {report_path}.\n"
             f"# Requests in flight at each context's SLA knee: {ctx}; the fewest, over {limit['front_doors']}\n"
             "# front door(s). Re-measure after a change of hardware, model or flags.\n"
-            f"pd_frontdoor_max_inflight: {limit['max_inflight']}\n")
+            f"# The max rate at the binding context ({limit.get('binding_context')} tokens), per front door:\n"
+            "# the rate a key's share (pd_frontdoor_key_share) is a part of.\n"
+            f"pd_frontdoor_max_inflight: {limit['max_inflight']}\n"
+            f"pd_frontdoor_max_rate: {limit.get('max_rate', 0)}\n")
 
 
 def write_patch(path: str, limit: dict, report_path: str) -> Path:

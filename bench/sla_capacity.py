@@ -132,7 +132,9 @@ def parse_args(argv):
     ap.add_argument("--out-dir", help="report directory (default reports/capacity/<UTC time>)")
     ap.add_argument("--admission-file",
                     help="write the front door's admission limit (pd_frontdoor_max_inflight, requests in flight at "
-                         "the SLA knee) as a group_vars file here, e.g. inventory/local/group_vars/all/admission.yml")
+                         "the SLA knee) as a group_vars file here, e.g. inventory/local/group_vars/all/admission.yml. "
+                         "Measure with the door's admission off (-e pd_frontdoor_max_inflight=0 on the routers' play): "
+                         "it would refuse the search's bursts (429, counted as failed requests)")
     ap.add_argument("--front-doors", type=int, default=1,
                     help="front doors taking clients at once; each admits the cluster's figure divided by this")
     a = ap.parse_args(argv)

@@ -12,12 +12,12 @@ written into nginx's config as ``"Bearer <key>"``: no quotes, spaces or semicolo
 ``pd_frontdoor_key_map(keys)`` -> ``[{"pattern", "label"}]``: each key as a case-sensitive nginx map regex of
 "Bearer <key>" and its label, "k" + the first 8 hex characters of the key's sha256 (what logs and metrics show).
 
-``pd_frontdoor_admission(max_inflight, key_share, reserve_share, client_max_body_size, max_model_len)`` -> the
-admission limits nginx enforces: ``max_inflight`` (M), ``key_share_inflight`` (a key with fewer in flight is under
-its share), ``reserve`` (R), ``max_inflight_under_share`` (M + R: what keys under their share may fill) and
-``client_max_body_size`` (derived from the model's context when not given). Keys over their share are admitted while
-fewer than M are in flight, keys under it while fewer than M + R: one key alone can fill the cluster, and another key
-still finds room.
+``pd_frontdoor_admission(max_inflight, max_rate, key_share, reserve_share, client_max_body_size, max_model_len)``
+-> the admission limits nginx enforces: ``max_inflight`` (M), ``reserve`` (R), ``max_inflight_under_share`` (M + R),
+``key_rate``/``key_burst`` (a key sending within key_share x max_rate is under its share: nginx limit_req) and
+``client_max_body_size`` (derived from the model's context when not given). A request of a key under its share is
+admitted while fewer than M + R are in flight, one over it while fewer than M: one key alone fills the cluster, and a
+key within its share is never starved by one far over it.
 
 Errors name the field and the fix (contributing.md).
 """
@@ -105,15 +105,27 @@ def _fraction(name, value, hint):
     return share
 
 
-def pd_frontdoor_admission(max_inflight, key_share, reserve_share=0.5, client_max_body_size="", max_model_len=262144):
+def pd_frontdoor_admission(max_inflight, max_rate=0, key_share=0.5, reserve_share=0.25, client_max_body_size="",  # noqa: PLR0917 - a Jinja filter: positional
+                           max_model_len=262144):
     limit = _whole("pd_frontdoor_max_inflight", max_inflight, 0, 1_000_000,
                    "requests in flight this front door admits, as bench/sla_capacity.py measures it; 0 = no limit")
+    try:
+        rate = float(max_rate)
+    except (TypeError, ValueError):
+        rate = -1.0
+    if isinstance(max_rate, bool) or rate < 0 or (limit and rate <= 0):
+        fail(f"pd_frontdoor: pd_frontdoor_max_rate is {max_rate!r}: give the requests per second this front door "
+             "serves within pd_sla (> 0 with pd_frontdoor_max_inflight; bench/sla_capacity.py --admission-file writes "
+             "both)")
     share = _fraction("pd_frontdoor_key_share", key_share,
-                      "the part of pd_frontdoor_max_inflight below which a key is under its share (e.g. 0.5)")
+                      "the part of pd_frontdoor_max_rate a key may send and still be under its share (e.g. 0.5)")
     reserve = _fraction("pd_frontdoor_reserve_share", reserve_share,
-                        "the part of pd_frontdoor_max_inflight held back for keys under their share (e.g. 0.5)")
-    key_share_inflight = max(1, math.ceil(limit * share)) if limit else 0
+                        "the part of pd_frontdoor_max_inflight held back for keys under their share (e.g. 0.25)")
     reserved = max(1, math.ceil(limit * reserve)) if limit else 0
+    per_s = rate * share
+    # nginx takes a whole number of requests per second or per minute
+    key_rate = f"{max(1, math.floor(per_s))}r/s" if per_s >= 1 else f"{max(1, math.floor(per_s * 60))}r/m"
+    key_burst = max(1, math.ceil(per_s))
     if client_max_body_size in (None, ""):
         tokens = _whole("pd_frontdoor_max_model_len", max_model_len, 1, 100_000_000,
                         "the model's context in tokens, max-model-len of pd_vllm_flags_common")
@@ -123,5 +135,6 @@ def pd_frontdoor_admission(max_inflight, key_share, reserve_share=0.5, client_ma
     else:
         fail(f"pd_frontdoor: pd_frontdoor_client_max_body_size is {client_max_body_size!r}: give an nginx size "
              "(e.g. 16m, 512k) or \"\" to derive it from pd_frontdoor_max_model_len")
-    return {"max_inflight": limit, "key_share_inflight": key_share_inflight, "reserve": reserved,
-            "max_inflight_under_share": limit + reserved, "client_max_body_size": body}
+    return {"max_inflight": limit, "reserve": reserved, "max_inflight_under_share": limit + reserved,
+            "key_rate": key_rate if limit else "", "key_burst": key_burst if limit else 0,
+            "client_max_body_size": body}

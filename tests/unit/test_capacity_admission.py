@@ -8,8 +8,8 @@ import yaml
 from ansible_collections.b300.pd.bench.capacity_admission import admission_limit, inflight_at_knee, inventory_patch
 
 
-def _ctx(context, max_rate, points):
-    return {"context": context, "max_rate": max_rate, "points": [
+def _ctx(context, max_rate, points, fail_rate=99.0):
+    return {"context": context, "max_rate": max_rate, "fail_rate": fail_rate, "points": [
         {"rate": r, "passed": ok, "request_throughput": thr, "mean_ttft_ms": ttft, "mean_tpot_ms": tpot}
         for r, ok, thr, ttft, tpot in points]}
 
@@ -32,7 +32,9 @@ def test_inflight_is_rate_times_latency_at_the_knee():
 def test_limit_is_the_fewest_over_contexts_per_front_door():
     one = admission_limit(REPORT)
     assert one["max_inflight"] == 12 and one["by_context"] == {256: 21.6, 3072: 12.26}
-    assert admission_limit(REPORT, front_doors=2)["max_inflight"] == 6
+    assert one["max_rate"] == 10.0 and one["binding_context"] == 3072
+    two = admission_limit(REPORT, front_doors=2)
+    assert two["max_inflight"] == 6 and two["max_rate"] == 5.0
     assert admission_limit({"output_len": 33, "contexts": [_ctx(256, 0.0, [])]})["max_inflight"] == 0
     with pytest.raises(ValueError, match="front_doors"):
         admission_limit(REPORT, front_doors=0)
@@ -40,5 +42,16 @@ def test_limit_is_the_fewest_over_contexts_per_front_door():
 
 def test_patch_is_a_group_vars_file_naming_its_source():
     text = inventory_patch(admission_limit(REPORT), "reports/capacity/x/report.json")
-    assert yaml.safe_load(text) == {"pd_frontdoor_max_inflight": 12}
+    assert yaml.safe_load(text) == {"pd_frontdoor_max_inflight": 12, "pd_frontdoor_max_rate": 10.0}
     assert "reports/capacity/x/report.json" in text and "3072 tokens: 12.26" in text
+
+
+def test_a_context_without_a_bracket_is_left_out_while_another_has_one():
+    # 256 tokens never failed (a lower bound: 1.2 in flight at 4 req/s); 3072 bracketed its knee (12.26)
+    rep = {"output_len": 33, "contexts": [_ctx(256, 4.0, [(4.0, True, 4.0, 100.0, 5.0)], fail_rate=None),
+                                          REPORT["contexts"][1]]}
+    lim = admission_limit(rep)
+    assert lim["max_inflight"] == 12 and lim["used"] == [3072]
+    assert "(no bracket, left out)" in inventory_patch(lim, "r.json")
+    only = admission_limit({"output_len": 33, "contexts": [rep["contexts"][0]]})
+    assert only["max_inflight"] == 1 and only["used"] == [256]  # nothing better known: the lower bound

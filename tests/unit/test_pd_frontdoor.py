@@ -169,8 +169,8 @@ def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
            "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
            "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY, KEY2], "pd_frontdoor_model": "tiny-pd",
            "_pd_frontdoor_admission": pdf.pd_frontdoor_admission(
-               admission.get("max_inflight", 0), admission.get("share", 0.5), admission.get("reserve", 0.5),
-               admission.get("body", ""), admission.get("max_model_len", 4096)),
+               admission.get("max_inflight", 0), admission.get("max_rate", 0), admission.get("share", 0.5),
+               admission.get("reserve", 0.5), admission.get("body", ""), admission.get("max_model_len", 4096)),
            "pd_frontdoor_gate_port": _free_port(),
            **extra}
     (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
@@ -396,19 +396,21 @@ def test_connection_limit_tasks_edit_debians_nginx_conf_and_nginx_accepts_it(tmp
 # --- admission, retries that never amplify, slow and hostile clients (issue #31) -----------------------------------
 
 def test_admission_limits_are_derived_and_checked():
-    assert pdf.pd_frontdoor_admission(20, 0.5, 0.25, "", 4096) == {
-        "max_inflight": 20, "key_share_inflight": 10, "reserve": 5, "max_inflight_under_share": 25,
+    assert pdf.pd_frontdoor_admission(20, 16, 0.5, 0.25, "", 4096) == {
+        "max_inflight": 20, "reserve": 5, "max_inflight_under_share": 25, "key_rate": "8r/s", "key_burst": 8,
         "client_max_body_size": "1152k"}
-    assert pdf.pd_frontdoor_admission("7", 0.3, 0.5, "16m")["key_share_inflight"] == 3  # rounded up
-    assert pdf.pd_frontdoor_admission(0, 0.5, 0.5, "", 262144) == {
-        "max_inflight": 0, "key_share_inflight": 0, "reserve": 0, "max_inflight_under_share": 0,
+    slow = pdf.pd_frontdoor_admission("7", 0.9, 0.5, 0.5, "16m")
+    assert (slow["key_rate"], slow["key_burst"], slow["reserve"]) == ("27r/m", 1, 4)  # under 1 r/s: per minute
+    assert pdf.pd_frontdoor_admission(0, 0, 0.5, 0.5, "", 262144) == {
+        "max_inflight": 0, "reserve": 0, "max_inflight_under_share": 0, "key_rate": "", "key_burst": 0,
         "client_max_body_size": "9216k"}
-    for args, match in (((-1, 0.5), "pd_frontdoor_max_inflight"), (("lots", 0.5), "pd_frontdoor_max_inflight"),
-                        ((True, 0.5), "pd_frontdoor_max_inflight"), ((10, 0), "pd_frontdoor_key_share"),
-                        ((10, 1.5), "pd_frontdoor_key_share"), ((10, "half"), "pd_frontdoor_key_share"),
-                        ((10, 0.5, -0.1), "pd_frontdoor_reserve_share"),
-                        ((10, 0.5, 0.5, "64 m; return 200"), "pd_frontdoor_client_max_body_size"),
-                        ((10, 0.5, 0.5, "", "4k"), "pd_frontdoor_max_model_len")):
+    for args, match in (((-1, 1), "pd_frontdoor_max_inflight"), (("lots", 1), "pd_frontdoor_max_inflight"),
+                        ((True, 1), "pd_frontdoor_max_inflight"), ((10, 0), "pd_frontdoor_max_rate"),
+                        ((10, "fast"), "pd_frontdoor_max_rate"), ((10, 5, 0), "pd_frontdoor_key_share"),
+                        ((10, 5, 1.5), "pd_frontdoor_key_share"), ((10, 5, "half"), "pd_frontdoor_key_share"),
+                        ((10, 5, 0.5, -0.1), "pd_frontdoor_reserve_share"),
+                        ((10, 5, 0.5, 0.5, "64 m; return 200"), "pd_frontdoor_client_max_body_size"),
+                        ((10, 5, 0.5, 0.5, "", "4k"), "pd_frontdoor_max_model_len")):
         with pytest.raises(ERR, match=match):
             pdf.pd_frontdoor_admission(*args)
 
@@ -445,11 +447,12 @@ def _concurrently(url, keys, body=b'{"prompt": "hi"}'):
 
 @needs_nginx
 def test_admission_sheds_at_once_fills_the_cluster_with_one_key_and_keeps_room_for_another(tmp_path):
-    # M = 4 in flight, a key's share 2, a reserve of 2 for keys under their share (M + R = 6).
+    # M = 4 in flight, a reserve of 2 for keys under their share (M + R = 6); a key's share: 1 request a second of
+    # the cluster's 2 (nginx limit_req, a burst of 1: two requests at once).
     up = _Upstream("pd", "sleep-1.5")
     port = _free_port()
     _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
-            admission={"max_inflight": 4, "share": 0.5, "reserve": 0.5}, pd_frontdoor_retry_after_s=3)
+            admission={"max_inflight": 4, "max_rate": 2, "share": 0.5, "reserve": 0.5}, pd_frontdoor_retry_after_s=3)
     try:
         with _nginx(tmp_path, port):
             url = f"http://127.0.0.1:{port}/v1/completions"
