@@ -31,6 +31,12 @@ WINDOW = "5m"
 # Recording rules are evaluated every evaluation_interval (15 s): a query empty at first is asked again for this
 # long before the test fails (a rule group loaded a moment ago has not written its first sample yet).
 SETTLE_S = 60
+# Panels the embedded default cannot fill, with the reason: for these the test checks instead that the recording
+# rule behind the query is loaded and healthy in the live Prometheus (so the panel fills on b300).
+NO_DATA_ON_LOCAL = {
+    "pool:vllm_spec_decode_acceptance:ratio": "the tiny model has no MTP head: no speculative decoding, no "
+                                               "vllm:spec_decode_* counters on the embedded default",
+}
 
 
 def panels(dashboard: dict) -> list[dict]:
@@ -106,10 +112,17 @@ def test_every_dashboard_panel_query_returns_a_series():
         for q in pending:
             results[q] = len(instant(prometheus_url, q[2]))
         pending = [q for q in queries if results[q] == 0]
-        if not pending or time.monotonic() > deadline:
+        # the excused ones stay empty on this stack: no reason to wait for them
+        if all(q[2].strip() in NO_DATA_ON_LOCAL for q in pending) or time.monotonic() > deadline:
             break
         time.sleep(15)
     record("dashboard_queries", {"queries": len(queries), "empty": len(pending),
                                  "series": {f"{t} [{r}]": n for (t, r, _e), n in results.items()}})
-    assert not pending, "dashboard panels whose query returned no series on the live stack:\n" + "\n".join(
-        f"  {title} [{ref}]: {expr}" for title, ref, expr in pending)
+    rules = {r["name"]: r.get("health") for g in http_json(f"{prometheus_url}/api/v1/rules")["data"]["groups"]
+             for r in g["rules"]}
+    excused = [q for q in pending if q[2].strip() in NO_DATA_ON_LOCAL]
+    for _title, _ref, expr in excused:
+        assert rules.get(expr.strip()) == "ok", f"{expr}: recording rule not loaded or unhealthy ({rules.get(expr)})"
+    empty = [q for q in pending if q not in excused]
+    assert not empty, "dashboard panels whose query returned no series on the live stack:\n" + "\n".join(
+        f"  {title} [{ref}]: {expr}" for title, ref, expr in empty)
