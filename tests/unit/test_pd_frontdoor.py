@@ -122,6 +122,12 @@ class _Upstream:
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
+                elif outer.behaviour == "500-then-200" and len(outer.seen) % 2 == 1:
+                    data = b'{"error": "Request failed: error sending request for url (http://prefill-0)"}'
+                    self.send_response(500)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                 elif outer.behaviour == "429":
                     data = b'{"error": "router busy"}'
                     self.send_response(429)
@@ -266,7 +272,7 @@ def test_clients_need_the_key_and_admin_paths_are_closed(frontdoor):
 def test_failed_pd_routers_are_retried_on_the_colocated_router_without_the_key(frontdoor):
     status, body = _req(frontdoor["url"] + "/v1/completions", key=KEY)
     assert status == 200 and json.loads(body)["served_by"] == "colocated"
-    assert len(frontdoor["ups"]["pd_a"].seen) == 1  # tried once, answered 500
+    assert len(frontdoor["ups"]["pd_a"].seen) == 2  # tried on both passes, answered 500 each time
     seen = frontdoor["ups"]["colocated"].seen
     assert len(seen) == 1 and seen[0]["body"] == b'{"prompt": "hi"}'  # the whole body, resent
     assert all(s["auth"] is None for u in frontdoor["ups"].values() for s in u.seen)  # the key stops at the door
@@ -275,7 +281,7 @@ def test_failed_pd_routers_are_retried_on_the_colocated_router_without_the_key(f
     for n in range(2, 6):
         status, body = _req(frontdoor["url"] + "/v1/completions", key=KEY)
         assert status == 200 and json.loads(body)["served_by"] == "colocated"
-        assert len(frontdoor["ups"]["pd_a"].seen) == n
+        assert len(frontdoor["ups"]["pd_a"].seen) == 2 * n
 
 
 @needs_nginx
@@ -575,3 +581,29 @@ def test_slow_and_oversized_clients_are_cut(tmp_path):
             assert not up.seen
     finally:
         up.close()
+
+
+@needs_nginx
+def test_a_second_pass_over_the_routers_finds_a_live_prefill(tmp_path):
+    # The second after a prefill dies: each router's next pick of a prefill may be the dead one (500), the pick after
+    # it a live one. Both P/D routers and the colocated one answer 500 on their first request: the second pass over
+    # the P/D routers serves it, P/D, before the colocated router is asked at all.
+    ups = {n: _Upstream(n, "500-then-200") for n in ("pd_a", "pd_b", "colocated")}
+    backends = [{"name": "r/vllm-router", "address": f"127.0.0.1:{ups['pd_a'].port}", "mode": "pd"},
+                {"name": "r/vllm-router-2", "address": f"127.0.0.1:{ups['pd_b'].port}", "mode": "pd"},
+                {"name": "r/vllm-router-colocated", "address": f"127.0.0.1:{ups['colocated'].port}",
+                 "mode": "colocated"}]
+    port = _free_port()
+    _render(tmp_path, port, backends)
+    conf = (tmp_path / "pd-frontdoor.conf").read_text()
+    assert conf.count(f"server 127.0.0.1:{ups['pd_a'].port} max_fails=0") == 2
+    try:
+        with _nginx(tmp_path, port):
+            status, body = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY)
+            assert status == 200 and json.loads(body)["served_by"] in ("pd_a", "pd_b")
+            assert len(ups["pd_a"].seen) + len(ups["pd_b"].seen) == 3 and not ups["colocated"].seen
+            log = (tmp_path / "access.log").read_text()
+            assert "status=200" in log and "path=pd " in log and "attempts=3" in log
+    finally:
+        for u in ups.values():
+            u.close()
