@@ -196,7 +196,7 @@ def run_overload(inventory, max_rate, factors="heavy=2.7,light=0.3", duration=60
     factors = parse_factors(factors)
     if not (isinstance(max_rate, (int, float)) and max_rate > 0):
         raise UsageError(f"--max-rate {max_rate!r}: must be > 0 req/s (the capacity search's max rate)")
-    if not duration > 0:
+    if duration <= 0:
         raise UsageError(f"--duration {duration!r}: must be > 0 seconds")
     if url is None or model is None or sla is None:
         if not inventory:

@@ -34,8 +34,9 @@ SETTLE_S = 60
 # Panels the embedded default cannot fill, with the reason: for these the test checks instead that the recording
 # rule behind the query is loaded and healthy in the live Prometheus (so the panel fills on b300).
 NO_DATA_ON_LOCAL = {
-    "pool:vllm_spec_decode_acceptance:ratio": "the tiny model has no MTP head: no speculative decoding, no "
-                                               "vllm:spec_decode_* counters on the embedded default",
+    "pool:vllm_spec_decode_acceptance:ratio": (
+        "the tiny model has no MTP head: no speculative decoding, no vllm:spec_decode_* counters on the embedded "
+        "default"),
 }
 
 

@@ -110,7 +110,7 @@ def test_kill_prefill_unit_scenario_is_dispatched(monkeypatch):
 def test_stack_ready_needs_every_instance_router_and_a_completion():
     stack = _FakeHosts()
     assert pd_faults.stack_ready(stack) is True and stack.completions == 1
-    by_host = {h: c for h, c in stack.commands}
+    by_host = dict(stack.commands)
     assert "127.0.0.1:8100/health" in by_host["h1"] and "127.0.0.1:8200/health" in by_host["h2"]
     assert "127.0.0.1:8001/health" in by_host["h3"] and "127.0.0.1:8002/health" in by_host["h3"]
     assert "8009" not in by_host["h3"]  # the colocated router is not part of the P/D path

@@ -541,7 +541,7 @@ def test_a_timed_out_or_refused_for_overload_request_is_never_resent(tmp_path):
     _render(tmp_path, port, backends, pd_frontdoor_request_timeout_s=1)
     try:
         with _nginx(tmp_path, port):
-            status, _ = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY)
+            status, _body = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY)
             assert status == 504 and len(ups["slow"].seen) == 1 and not ups["colocated"].seen
     finally:
         pass
@@ -551,7 +551,7 @@ def test_a_timed_out_or_refused_for_overload_request_is_never_resent(tmp_path):
     _render(tmp_path / "busy", port, backends)
     try:
         with _nginx(tmp_path / "busy", port):
-            status, _ = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY)
+            status, _body = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY)
             assert status == 429 and len(ups["busy"].seen) == 1 and not ups["colocated"].seen
     finally:
         for u in ups.values():
@@ -568,7 +568,7 @@ def test_slow_and_oversized_clients_are_cut(tmp_path):
     try:
         with _nginx(tmp_path, port):
             # A body over the limit derived from max-model-len (4096 x 32 B + 1 MiB) is refused before it is read.
-            status, _ = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY, body=b"x" * (1152 * 1024 + 1))
+            status, _body = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY, body=b"x" * (1152 * 1024 + 1))
             assert status == 413
             # A client that never finishes its headers is disconnected after client_header_timeout.
             s = socket.create_connection(("127.0.0.1", port), timeout=10)

@@ -145,8 +145,8 @@ def test_run_against_a_stub_front_door_fails(monkeypatch, tmp_path, capsys):
 
     srv = _front_door(heavy)
     try:
-        monkeypatch.setattr(pd_overload, "inventory_targets", lambda inv: {"url": srv.url, "model": "m",
-                                                                            "sla": RUN_SLA})
+        targets = {"url": srv.url, "model": "m", "sla": RUN_SLA}
+        monkeypatch.setattr(pd_overload, "inventory_targets", lambda inv: targets)
         monkeypatch.setenv("PD_LOAD_API_KEY", "k1")
         monkeypatch.setenv("PD_LOAD_API_KEY_2", "k2")
         out = tmp_path / "o" / "overload.json"

@@ -221,9 +221,9 @@ def test_drain_decode_fallback_checks_and_back(tmp_path):
         assert any(body.get("include_reasoning") for _path, body in warm)
         assert not any("tools" in body for _path, body in warm)
         assert {path for path, body in warm if body.get("stream")} == {"/v1/completions", "/v1/chat/completions"}
+        plain = {"model", "prompt", "max_tokens", "temperature", "ignore_eos"}
         lengths = sorted(len(body["prompt"].split()) for path, body in warm
-                         if path == "/v1/completions" and set(body) == {"model", "prompt", "max_tokens", "temperature",
-                                                                          "ignore_eos"})
+                         if path == "/v1/completions" and set(body) == plain)
         assert lengths[0] <= 16 and lengths[-1] >= 60, lengths
         said = " ".join(p.stdout.split())
         assert "pd_rollout: decode-0 warmed in" in said, p.stdout[-3000:]

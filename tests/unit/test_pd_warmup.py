@@ -180,7 +180,7 @@ print(json.dumps(out))
     p = subprocess.run([str(VLLM_VENV_PY), "-c", script], input=json.dumps(reqs), capture_output=True, text=True,
                        timeout=300, check=False, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    got = {(f, lp, plp, n, so) for f, lp, plp, n, so in json.loads(p.stdout.splitlines()[-1])}
+    got = set(map(tuple, json.loads(p.stdout.splitlines()[-1])))
     assert ("logprobs", 1, None, 1, False) in got and ("prompt_logprobs", None, 1, 1, False) in got
     assert ("n", None, None, 2, False) in got and ("structured_output", None, None, 1, True) in got
 
@@ -399,8 +399,8 @@ def test_pd_verify_warms_every_instance_and_hands_the_results_to_the_script(tmp_
     pre, dec = cfg["warmup"]["instances"]
     # prefill-0: its host's flags (common + pool) serve tools; two copies of each request (dp_size 2)
     assert pre["ok"] and pre["error"] == "" and pre["context_tokens"] == [16, 128]
-    assert [f for f, v in pre["features"].items() if v["status"] == 200] == ["completion", "logprobs",
-                                                                            "prompt_logprobs", "tools"]
+    served = [f for f, v in pre["features"].items() if v["status"] == 200]
+    assert served == ["completion", "logprobs", "prompt_logprobs", "tools"]
     assert len(p_inst.posts()) == 2 * (2 + 2 + 1 + 1)
     assert {auth for _p, _r, auth in p_inst.log} == {"Bearer sk-verify"}
     # decode-0: no tool parser (skipped), and its refusal of prompt_logprobs is its error for the report

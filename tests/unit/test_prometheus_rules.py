@@ -485,8 +485,8 @@ def build_tests(ctx: dict) -> list[dict]:
         "promql_expr_test": [
             {"expr": "round(pd_frontdoor:shed:ratio * 1000)", "eval_time": "25m",
              "exp_samples": [{"labels": "{}", "value": round(shed_max * 2 * 1000)}]},
-            {"expr": "pd_frontdoor:shed:ratio", "eval_time": "9m", "exp_samples": [{"labels": "pd_frontdoor:shed:ratio",
-                                                                                 "value": 0}]},
+            {"expr": "pd_frontdoor:shed:ratio", "eval_time": "9m",
+             "exp_samples": [{"labels": "pd_frontdoor:shed:ratio", "value": 0}]},
             {"expr": "round(client:pd_frontdoor_admitted_requests:rate * 60)", "eval_time": "25m",
              "exp_samples": [{"labels": '{client="k1a2b3c4d"}', "value": 100},
                              {"labels": '{client="k99887766"}', "value": 50}]},
