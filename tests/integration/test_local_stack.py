@@ -253,12 +253,14 @@ def test_front_door_refuses_clients_without_the_key_and_every_admin_path(invento
 
 def test_client_key_is_in_no_argv_log_or_world_readable_file(inventory):
     """On the router host: the key file nginx reads is root-only; no process argv, journal, log file or
-    world-readable file holds the key. The key goes to grep on stdin-like file (-f), never in its argv."""
+    world-readable file holds any client key (the map holds each as a case-sensitive regex, its . and + escaped).
+    The keys go to grep in a file (-f), never in its argv."""
     router = inventory["router_host"]
     keyfile = "/root/.pd-test-key"
     script = f"""set -eu
 umask 077
-sed -n 's/^"Bearer \\(.*\\)" 1;$/\\1/p' /etc/nginx/pd-frontdoor/api-keys.map > {keyfile}
+sed -n 's/^"~^Bearer \\(.*\\)\\$" k[0-9a-f]\\{{8\\}};$/\\1/p' /etc/nginx/pd-frontdoor/api-keys.map \\
+    | sed 's/\\\\\\(.\\)/\\1/g' > {keyfile}
 test -s {keyfile}
 echo "mode $(stat -c '%a %U:%G' /etc/nginx/pd-frontdoor/api-keys.map)"
 argv=0
