@@ -212,6 +212,21 @@ def _nginx(tmp: Path, port: int):
         subprocess.run([NGINX, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-s", "stop"], check=False)
 
 
+@contextlib.contextmanager
+def _one_router(tmp_path, behaviour, **render):
+    """The role's config rendered into tmp_path in front of one stand-in P/D router, run by the real nginx:
+    -> (nginx's port, the router); both stopped when the block ends."""
+    up = _Upstream("pd", behaviour)
+    port = _free_port()
+    try:
+        _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
+                **render)
+        with _nginx(tmp_path, port):
+            yield port, up
+    finally:
+        up.close()
+
+
 @pytest.fixture
 def frontdoor(tmp_path):
     """A real nginx with the role's config in front of: P/D router A (HTTP 500), P/D router B (connection refused),
@@ -466,82 +481,64 @@ def _concurrently(url, keys, body=b'{"prompt": "hi"}'):
 def test_admission_sheds_at_once_fills_the_cluster_with_one_key_and_keeps_room_for_another(tmp_path):
     # M = 4 in flight, a reserve of 2 for keys under their share (M + R = 6); a key's share: 1 request a second of
     # the cluster's 2 (nginx limit_req, a burst of 1: two requests at once).
-    up = _Upstream("pd", "sleep-1.5")
-    port = _free_port()
-    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
-            admission={"max_inflight": 4, "max_rate": 2, "share": 0.5, "reserve": 0.5}, pd_frontdoor_retry_after_s=3)
-    try:
-        with _nginx(tmp_path, port):
-            url = f"http://127.0.0.1:{port}/v1/completions"
-            # KEY alone sends 6 at once: 2 under its share, 2 more over it while fewer than M are in flight (one key
-            # fills the cluster), 2 refused at once. KEY2, under its share, then finds the reserve: 2 admitted (6 in
-            # flight), its third is over its share with M already in flight: refused.
-            res = _concurrently(url, [KEY] * 6 + [KEY2] * 3)
-            statuses = [r[0] for r in res]
-            assert statuses == [200, 200, 200, 200, 429, 429, 200, 200, 429], statuses
-            for status, seconds, headers, body in res:
-                if status == 429:
-                    assert seconds < 0.5, seconds  # at once, not after a queue
-                    assert headers.get("Retry-After") == "3"
-                    err = json.loads(body)["error"]
-                    assert err["code"] == 429 and err["type"] == "rate_limit_exceeded" and "retry after 3 s" in \
-                        err["message"]
-            assert len(up.seen) == 6  # nothing refused reached a router
-            assert all(s["auth"] is None for s in up.seen)  # nor the key, through the gate either
-            # When the admitted ones are done, the door admits again.
-            assert _req(url, key=KEY)[0] == 200
-            log = _log_lines(tmp_path / "access.log", 10)
-            time.sleep(0.5)  # and no eleventh line follows
-            log = _log_lines(tmp_path / "access.log", 10)
-            assert len(log) == 10  # every request once, whichever server took it
-            assert sum("status=429 client=" + pdf.key_label(KEY) in ln for ln in log) == 2
-            assert sum("status=429 client=" + pdf.key_label(KEY2) in ln for ln in log) == 1
-            assert sum("status=200 client=" + pdf.key_label(KEY) + " path=pd backend=r/vllm-router" in ln
-                       for ln in log) == 5
-            assert not any(KEY in ln or KEY2 in ln for ln in log)
-            # The gate checks the key too: a client on the router host cannot use it to skip the door.
-            gate = (tmp_path / "pd-frontdoor.conf").read_text().split("listen 127.0.0.1:")[1].split(";")[0]
-            assert _req(f"http://127.0.0.1:{gate}/v1/completions")[0] == 401
-    finally:
-        up.close()
+    admission = {"max_inflight": 4, "max_rate": 2, "share": 0.5, "reserve": 0.5}
+    with _one_router(tmp_path, "sleep-1.5", admission=admission, pd_frontdoor_retry_after_s=3) as (port, up):
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        # KEY alone sends 6 at once: 2 under its share, 2 more over it while fewer than M are in flight (one key
+        # fills the cluster), 2 refused at once. KEY2, under its share, then finds the reserve: 2 admitted (6 in
+        # flight), its third is over its share with M already in flight: refused.
+        res = _concurrently(url, [KEY] * 6 + [KEY2] * 3)
+        statuses = [r[0] for r in res]
+        assert statuses == [200, 200, 200, 200, 429, 429, 200, 200, 429], statuses
+        for status, seconds, headers, body in res:
+            if status == 429:
+                assert seconds < 0.5, seconds  # at once, not after a queue
+                assert headers.get("Retry-After") == "3"
+                err = json.loads(body)["error"]
+                assert err["code"] == 429 and err["type"] == "rate_limit_exceeded" and "retry after 3 s" in \
+                    err["message"]
+        assert len(up.seen) == 6  # nothing refused reached a router
+        assert all(s["auth"] is None for s in up.seen)  # nor the key, through the gate either
+        # When the admitted ones are done, the door admits again.
+        assert _req(url, key=KEY)[0] == 200
+        log = _log_lines(tmp_path / "access.log", 10)
+        time.sleep(0.5)  # and no eleventh line follows
+        log = _log_lines(tmp_path / "access.log", 10)
+        assert len(log) == 10  # every request once, whichever server took it
+        assert sum("status=429 client=" + pdf.key_label(KEY) in ln for ln in log) == 2
+        assert sum("status=429 client=" + pdf.key_label(KEY2) in ln for ln in log) == 1
+        assert sum("status=200 client=" + pdf.key_label(KEY) + " path=pd backend=r/vllm-router" in ln
+                   for ln in log) == 5
+        assert not any(KEY in ln or KEY2 in ln for ln in log)
+        # The gate checks the key too: a client on the router host cannot use it to skip the door.
+        gate = (tmp_path / "pd-frontdoor.conf").read_text().split("listen 127.0.0.1:")[1].split(";")[0]
+        assert _req(f"http://127.0.0.1:{gate}/v1/completions")[0] == 401
 
 
 @needs_nginx
 def test_no_admission_limit_when_zero(tmp_path):
-    up = _Upstream("pd", "sleep-0.5")
-    port = _free_port()
-    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}])
-    assert "pd_frontdoor_inflight" not in (tmp_path / "pd-frontdoor.conf").read_text()
-    try:
-        with _nginx(tmp_path, port):
-            res = _concurrently(f"http://127.0.0.1:{port}/v1/completions", [KEY] * 6)
-            assert [r[0] for r in res] == [200] * 6
-    finally:
-        up.close()
+    with _one_router(tmp_path, "sleep-0.5") as (port, up):
+        assert "pd_frontdoor_inflight" not in (tmp_path / "pd-frontdoor.conf").read_text()
+        res = _concurrently(f"http://127.0.0.1:{port}/v1/completions", [KEY] * 6)
+        assert [r[0] for r in res] == [200] * 6
 
 
 @needs_nginx
 def test_keys_are_case_sensitive_and_a_refused_client_keeps_no_connection(tmp_path):
-    up = _Upstream("pd", "200")
-    port = _free_port()
-    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}])
-    try:
-        with _nginx(tmp_path, port):
-            url = f"http://127.0.0.1:{port}/v1/completions"
-            assert _req(url, key=KEY2)[0] == 200
-            assert _req(url, key=KEY2.lower())[0] == 401 and _req(url, key=KEY.upper())[0] == 401
-            assert _req(url, key=KEY2.replace(".", "x"))[0] == 401  # "." is no wildcard
-            import http.client
+    with _one_router(tmp_path, "200") as (port, up):
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        assert _req(url, key=KEY2)[0] == 200
+        assert _req(url, key=KEY2.lower())[0] == 401 and _req(url, key=KEY.upper())[0] == 401
+        assert _req(url, key=KEY2.replace(".", "x"))[0] == 401  # "." is no wildcard
+        import http.client
 
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("POST", "/v1/completions", body=b"{}", headers={"Authorization": "Bearer nope-nope"})
-            resp = conn.getresponse()
-            assert resp.status == 401 and resp.getheader("Connection") == "close"
-            resp.read()
-            conn.close()
-            assert len(up.seen) == 1
-    finally:
-        up.close()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("POST", "/v1/completions", body=b"{}", headers={"Authorization": "Bearer nope-nope"})
+        resp = conn.getresponse()
+        assert resp.status == 401 and resp.getheader("Connection") == "close"
+        resp.read()
+        conn.close()
+        assert len(up.seen) == 1
 
 
 @needs_nginx
@@ -573,27 +570,21 @@ def test_a_timed_out_or_refused_for_overload_request_is_never_resent(tmp_path):
 
 @needs_nginx
 def test_slow_and_oversized_clients_are_cut(tmp_path):
-    up = _Upstream("pd", "200")
-    port = _free_port()
-    _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
-            pd_frontdoor_client_header_timeout_s=1, admission={"max_model_len": 4096})
-    assert "client_max_body_size 1152k;" in (tmp_path / "pd-frontdoor.conf").read_text()
-    try:
-        with _nginx(tmp_path, port):
-            # A body over the limit derived from max-model-len (4096 x 32 B + 1 MiB) is refused before it is read.
-            status, _body = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY, body=b"x" * (1152 * 1024 + 1))
-            assert status == 413
-            # A client that never finishes its headers is disconnected after client_header_timeout.
-            s = socket.create_connection(("127.0.0.1", port), timeout=10)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-            t0 = time.monotonic()
-            s.settimeout(10)
-            assert s.recv(1024) == b""  # closed by nginx, no answer
-            assert 0.5 < time.monotonic() - t0 < 5
-            s.close()
-            assert not up.seen
-    finally:
-        up.close()
+    with _one_router(tmp_path, "200", pd_frontdoor_client_header_timeout_s=1,
+                     admission={"max_model_len": 4096}) as (port, up):
+        assert "client_max_body_size 1152k;" in (tmp_path / "pd-frontdoor.conf").read_text()
+        # A body over the limit derived from max-model-len (4096 x 32 B + 1 MiB) is refused before it is read.
+        status, _body = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY, body=b"x" * (1152 * 1024 + 1))
+        assert status == 413
+        # A client that never finishes its headers is disconnected after client_header_timeout.
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        s.settimeout(10)
+        assert s.recv(1024) == b""  # closed by nginx, no answer
+        assert 0.5 < time.monotonic() - t0 < 5
+        s.close()
+        assert not up.seen
 
 
 @needs_nginx
