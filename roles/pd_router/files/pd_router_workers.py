@@ -9,7 +9,8 @@ requests go to the P/D router while any prefill/decode worker of that model is r
 (colocated) router otherwise. docs/upgrades.md has the measurements.
 
   pd-router-workers [--router URL ...] list
-  pd-router-workers [--router URL ...] set --workers FILE|- [--wait S] [--dry-run]
+  pd-router-workers [--router URL ...] set --workers FILE|- [--wait S] [--dry-run] [--state FILE]
+  pd-router-workers [--router URL ...] watch --workers FILE [--state FILE] [--interval S] [--successes N]
 
 ``--router`` may be given once per P/D router (a front door sends requests to all of them): ``set`` changes each
 router in turn, ``list`` reads each; the report then has one entry per router under ``routers`` and the combined
@@ -21,14 +22,31 @@ and a decode worker, or regular workers), applies them back to back on one conne
 report (changes, broken intermediate states, how long the model had no routable set). A model whose registry
 changes from P/D to regular (or back) always passes through one such state: the router has no atomic swap.
 
+``watch`` takes a dead worker out of every router at once and puts it back when it is healthy again. vllm-router
+0.1.17 gives workers registered through ``POST /workers`` its built-in health settings (3 failed checks; the
+--health-* flags reach only workers named on the command line, which IGW mode ignores), and its P/D path neither
+retries nor feeds the circuit breaker: a dead prefill kept getting requests for ~3 s (measured). Each
+``--interval`` the watcher connects to every registered worker; a refused connection (nothing listens: the
+process is gone) is a removal at once (``DELETE``). A timeout is not: a busy worker is the routers' health
+checks' business. A worker of the wanted list that is not registered goes back (``POST``) after ``--successes``
+consecutive ``GET /health`` 200s. The wanted list is what the last ``set --state FILE`` applied (the change
+path's drains), else the topology (``--workers``): a worker drained on purpose is never put back. ``set --state``
+and the watcher's re-add hold the state file's lock (flock), so a drain and a re-add never interleave. The
+watcher prints one JSON line per change (the journal).
+
 Exit codes: 0 done, 1 router error, 2 bad input, 3 router not in IGW mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import fcntl
 import http.client
 import json
+import os
+import socket
 import sys
 import time
 from urllib.parse import quote, urlsplit
@@ -248,10 +266,53 @@ def execute(router, ops, current, models):
     return round(window * 1000.0, 3)
 
 
+@contextlib.contextmanager
+def state_lock(path, exclusive):
+    """flock on the state file's lock (``<state>.lock``): ``set`` exclusive, the watcher's re-add shared."""
+    if not path:
+        yield
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def write_state(path, wanted):
+    """The wanted list ``set`` applied, for the watcher (atomic replace)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump([{"url": u, "worker_type": t, "model_id": m} for u, (t, m) in sorted(wanted.items())], f)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def read_wanted(state, workers):
+    """What the watcher may put back: the last applied wanted list, else the topology file."""
+    for path in (state, workers):
+        if path and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                return parse_wanted(json.load(f))
+    return {}
+
+
 def cmd_set(args, router):
     raw = args.workers_raw if getattr(args, "workers_raw", None) is not None else (
         sys.stdin.read() if args.workers == "-" else open(args.workers, encoding="utf-8").read())
     wanted = parse_wanted(json.loads(raw), args.model)
+    state = getattr(args, "state", None)
+    if state and not args.dry_run and not getattr(args, "state_locked", False):
+        # Write-ahead under the lock: the watcher never puts back a worker this change takes out.
+        with state_lock(state, exclusive=True):
+            write_state(state, wanted)
+            return _set(args, router, wanted)
+    return _set(args, router, wanted)
+
+
+def _set(args, router, wanted):
     if args.wait:
         router.wait_live(args.wait)
     current, _workers = router.registry()
@@ -284,13 +345,22 @@ def cmd_list(args, router):
 
 def cmd_many(args, urls):
     """Run the command on every router; one combined JSON report."""
-    import contextlib
-    import io
-
     reports = {}
     if args.cmd == "set":
         # Read the wanted list once: stdin is consumed by the first read.
         args.workers_raw = sys.stdin.read() if args.workers == "-" else open(args.workers, encoding="utf-8").read()
+        if args.state and not args.dry_run:
+            # One write-ahead and one lock for every router.
+            with state_lock(args.state, exclusive=True):
+                write_state(args.state, parse_wanted(json.loads(args.workers_raw), args.model))
+                args.state_locked = True
+                return _many(args, urls, reports)
+    return _many(args, urls, reports)
+
+
+def _many(args, urls, reports):
+    import io
+
     for url in urls:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
@@ -313,6 +383,102 @@ def cmd_many(args, urls):
     return 0
 
 
+def probe_refused(url, timeout):
+    """True when nothing listens at the worker's address (connection refused or no route): the process is gone.
+    A timeout or any other error is not taken as death (a busy worker)."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=timeout):
+            return False
+    except OSError as e:
+        return e.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+
+
+def probe_healthy(url, timeout):
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+class Watcher:
+    """One pass over the routers per tick (``watch``); the state between ticks is the health streak of each worker
+    that is wanted but not registered somewhere."""
+
+    def __init__(self, routers, workers, *, state=None, successes=2, probe_timeout=0.25, out=None):
+        self.routers, self.workers, self.state = routers, workers, state
+        self.successes, self.probe_timeout = successes, probe_timeout
+        self.streak = {}
+        self.out = out or sys.stdout
+
+    def log(self, **event):
+        print(json.dumps(dict(event, t=round(time.time(), 3)), sort_keys=True), file=self.out, flush=True)
+
+    def tick(self):
+        refused, registries = {}, {}
+        for router in self.routers:
+            where = f"{router.host}:{router.port}"
+            try:
+                registry, _workers = router.registry()
+            except (RouterError, OSError, http.client.HTTPException, ValueError) as e:
+                self.log(event="router_unreachable", router=where, error=str(e)[:200])
+                continue
+            for url in sorted(registry):
+                if url not in refused:
+                    refused[url] = probe_refused(url, self.probe_timeout)
+                if refused[url]:
+                    router.delete(url)
+                    del registry[url]
+                    self.log(event="removed", router=where, url=url, reason="connection refused")
+            registries[router] = registry
+        self._put_back(registries)
+
+    def _put_back(self, registries):
+        with state_lock(self.state, exclusive=False):
+            wanted = read_wanted(self.state, self.workers)
+            missing = {u: v for u, v in wanted.items() if any(u not in reg for reg in registries.values())}
+            self.streak = {u: n for u, n in self.streak.items() if u in missing}
+            for url, (wtype, model) in sorted(missing.items()):
+                healthy = probe_healthy(url, max(self.probe_timeout, 1.0))
+                self.streak[url] = self.streak.get(url, 0) + 1 if healthy else 0
+                if self.streak[url] < self.successes:
+                    continue
+                for router, reg in registries.items():
+                    if url not in reg:
+                        router.put(url, wtype, model)
+                        self.log(event="put_back", router=f"{router.host}:{router.port}", url=url,
+                                 worker_type=wtype, healthy_checks=self.streak[url])
+                del self.streak[url]
+
+    def run(self, interval, ticks=None):
+        n = 0
+        while ticks is None or n < ticks:
+            start = time.monotonic()
+            try:
+                self.tick()
+            except (RouterError, OSError, http.client.HTTPException, ValueError) as e:
+                self.log(event="error", error=str(e)[:300])
+            n += 1
+            time.sleep(max(0.0, interval - (time.monotonic() - start)))
+        return 0
+
+
+def cmd_watch(args, urls):
+    if args.successes < 1 or not args.interval > 0:
+        raise ValueError("--successes must be >= 1 and --interval > 0")
+    routers = [Router(u, args.timeout) for u in urls]
+    # Each tick the probes of one router's registry happen with the router's own answers; a router restart
+    # (empty registry) is converged back by the router unit's own `set` (ExecStartPost) and by the put-backs.
+    watcher = Watcher(routers, args.workers, state=args.state, successes=args.successes,
+                      probe_timeout=args.probe_timeout)
+    return watcher.run(args.interval, args.ticks)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="pd-router-workers", description=__doc__.split("\n\n", maxsplit=1)[0])
     ap.add_argument("--router", action="append", help="router base URL (repeat for several routers; "
@@ -326,9 +492,19 @@ def main(argv=None):
     p_set.add_argument("--model", help="model_id for entries without one")
     p_set.add_argument("--wait", type=float, default=0.0, help="wait up to S seconds for /liveness first")
     p_set.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p_set.add_argument("--state", help="write the applied wanted list here (under its lock) for the watcher")
+    p_watch = sub.add_parser("watch", help="take dead workers out at once, put wanted ones back when healthy")
+    p_watch.add_argument("--workers", required=True, help="the topology (JSON), wanted when no --state was written")
+    p_watch.add_argument("--state", help="the wanted list the last `set --state` applied")
+    p_watch.add_argument("--interval", type=float, default=0.25, help="seconds between passes")
+    p_watch.add_argument("--probe-timeout", type=float, default=0.25, help="seconds per connect probe")
+    p_watch.add_argument("--successes", type=int, default=2, help="healthy checks in a row before a put-back")
+    p_watch.add_argument("--ticks", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     urls = args.router or ["http://127.0.0.1:8000"]
     try:
+        if args.cmd == "watch":
+            return cmd_watch(args, urls)
         if len(urls) == 1:
             return {"list": cmd_list, "set": cmd_set}[args.cmd](args, Router(urls[0], args.timeout))
         return cmd_many(args, urls)
