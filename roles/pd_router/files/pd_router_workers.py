@@ -272,8 +272,17 @@ def state_lock(path, exclusive):
     if not path:
         yield
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY | os.O_CREAT, 0o644)
+    if exclusive:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    else:
+        # The watcher may run on a read-only view of the state directory: it never creates the lock. No lock
+        # file yet means no `set --state` ever ran, so there is no drain to respect.
+        try:
+            fd = os.open(path + ".lock", os.O_RDONLY)
+        except FileNotFoundError:
+            yield
+            return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
