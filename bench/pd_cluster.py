@@ -3,6 +3,7 @@ playbooks/validate.yml publishes as pd_cluster, fed from `ansible-inventory --li
 
     from ansible_collections.b300.pd.bench.pd_cluster import load
     view = load("inventory/local")       # view["router_url"], view["instances"][0]["url"], view["prometheus_url"]
+    ctx = ssl.create_default_context(cafile=view["router_ca_file"])  # the front door's CA (https), None: http
 
 One code path: view_inputs() picks each host's own value of the vars the view reads, else the owning role's
 default (roles/<role>/defaults/main.yml, plugins/plugin_utils/pd_role_defaults.py), exactly as the pd_topology
@@ -12,6 +13,7 @@ action plugin gathers them for validate.yml.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,15 @@ def inventory_data(inventory: str | Path) -> tuple[dict, dict]:
                          timeout=120).stdout
     data = json.loads(out)
     hostvars = data.get("_meta", {}).get("hostvars", {})
+    # The front door's CA lives under pd_control_dir (the cluster view's router_ca_file): the shipped inventories set
+    # it from inventory_dir, which `ansible-inventory --list` leaves untemplated.
+    source = Path(inventory).resolve()
+    inventory_dir = str(source if source.is_dir() else source.parent)
+    for hv in hostvars.values():
+        if isinstance(hv.get("pd_control_dir"), str):
+            hv["pd_control_dir"] = re.sub(r"\{\{\s*inventory_dir\s*\}\}", inventory_dir, hv["pd_control_dir"])
+            if "{{" in hv["pd_control_dir"]:
+                del hv["pd_control_dir"]  # a template bench cannot evaluate: no CA path (the system's trust store)
 
     def members(group: str) -> list[str]:
         node = data.get(group) or {}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import sys
@@ -47,12 +48,24 @@ SCHEMA = "pd_latency/1"
 PATHS = ("colocated", "pd", "split_prefill", "split_decode")
 
 
-def post(url: str, body: dict, timeout: float) -> tuple[float, dict]:
-    """POST JSON, return (seconds, parsed answer); raises on HTTP errors (the caller counts them)."""
+def worker_api_key() -> str | None:
+    """The workers' key every vLLM instance requires on /v1 (pd_router_api_key), never from argv: $PD_WORKER_KEY_FILE,
+    else the local stack's (.cache/worker/api-key, scripts/bootstrap.d/65-worker-key); None when neither exists."""
+    path = os.environ.get("PD_WORKER_KEY_FILE") or str(ROOT / ".cache/worker/api-key")
+    try:
+        return Path(path).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def post(url: str, body: dict, timeout: float, *, direct: bool = False) -> tuple[float, dict]:
+    """POST JSON, return (seconds, parsed answer); raises on HTTP errors (the caller counts them).
+
+    direct: url is a vLLM instance's, which requires the workers' key; else the front door's client key."""
     data = json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
-    key = client_api_key()
-    if key:  # the front door needs it; the instances ignore it
+    key = worker_api_key() if direct else client_api_key()
+    if key:
         headers["Authorization"] = f"Bearer {key}"
     req = urllib.request.Request(url, data=data, headers=headers)
     t0 = time.perf_counter()
@@ -70,7 +83,7 @@ def calibrated_prompt(stack: Stack, tokenize_url: str, tokens: int, seed: int) -
     words = max(1, int(tokens / 1.3))
     for _attempt in range(6):
         text = f"w{seed} " + word_prompt(words, seed)
-        _secs, out = post(tokenize_url, {"model": stack.model, "prompt": text}, 60)
+        _secs, out = post(tokenize_url, {"model": stack.model, "prompt": text}, 60, direct=True)
         got = int(out["count"])
         if abs(got - tokens) <= max(4, tokens // 50):
             return text
@@ -128,17 +141,19 @@ def one_round(stack: Stack, urls: dict, prompts: dict, max_tokens: int, timeout:
     for path in ("colocated", "pd", "split"):
         try:
             if path == "colocated":
-                res[path], _body = post(urls["decode"] + "/v1/completions", {**base, "prompt": prompts[path]}, timeout)
+                res[path], _body = post(urls["decode"] + "/v1/completions", {**base, "prompt": prompts[path]}, timeout,
+                                        direct=True)
             elif path == "pd":
                 res[path], _body = post(urls["router"] + "/v1/completions", {**base, "prompt": prompts[path]}, timeout)
             else:
                 kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
                 t_p, out = post(urls["prefill"] + "/v1/completions",
-                                {**base, "prompt": prompts[path], "max_tokens": 1, "kv_transfer_params": kv}, timeout)
+                                {**base, "prompt": prompts[path], "max_tokens": 1, "kv_transfer_params": kv}, timeout,
+                                direct=True)
                 t_d, _body = post(urls["decode"] + "/v1/completions",
                                   {**base, "prompt": prompts[path], "kv_transfer_params": out["kv_transfer_params"]},
-                                  timeout)
+                                  timeout, direct=True)
                 res["split_prefill"], res["split_decode"] = t_p, t_d
         except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
             res[path] = f"error: {exc}"

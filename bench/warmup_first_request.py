@@ -91,14 +91,16 @@ def measure(view, hostvars, *, api_key, timeout, warm_repeats=2):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-i", "--inventory", default="inventory/local")
-    ap.add_argument("--api-key-file", type=Path, help="the instances' key (pd_router_api_key), if they require one")
+    ap.add_argument("--api-key-file", type=Path, default=Path(__file__).resolve().parents[1] / ".cache/worker/api-key",
+                    help="the instances' key (pd_router_api_key); default the local stack's .cache/worker/api-key "
+                         "(scripts/bootstrap.d/65-worker-key), none sent when that file does not exist")
     ap.add_argument("--max-extra-s", type=float, default=0.5)
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     groups, hostvars = pd_cluster.inventory_data(args.inventory)
     view = pd_cluster.view_from(groups, hostvars)
-    api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+    api_key = args.api_key_file.read_text().strip() if args.api_key_file and args.api_key_file.is_file() else None
     rows = measure(view, hostvars, api_key=api_key, timeout=args.timeout_s)
     bad = [r for r in rows if "skipped" not in r and (r["extra_s"] > args.max_extra_s or r["statuses"] != [200])]
     print(f"{'instance':<12} {'feature':<18} {'path':<22} {'first s':>8} {'warm s':>8} {'extra s':>8}  status")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from ansible.errors import AnsibleFilterError
+from ansible_collections.b300.pd.plugins.module_utils import pd_topology_ports
 from ansible_collections.b300.pd.plugins.plugin_utils import pd_frontdoor, pd_rollout, pd_router, vllm_install
 
 
@@ -28,6 +29,10 @@ _FILTERS = {
     "pd_frontdoor_keys": pd_frontdoor.pd_frontdoor_keys,
     "pd_frontdoor_key_map": pd_frontdoor.pd_frontdoor_key_map,
     "pd_frontdoor_admission": pd_frontdoor.pd_frontdoor_admission,
+    "pd_frontdoor_tls_sans": pd_frontdoor.pd_frontdoor_tls_sans,
+    "pd_frontdoor_key_transport": pd_frontdoor.pd_frontdoor_key_transport,
+    "pd_firewall_rules": pd_topology_ports.host_ruleset,
+    "pd_firewall_live_digest": pd_topology_ports.firewall_digest,
     "pd_rollout_topology": pd_rollout.pd_rollout_topology,
     "pd_rollout_order": pd_rollout.pd_rollout_order,
     "pd_rollout_routing": pd_rollout.pd_rollout_routing,

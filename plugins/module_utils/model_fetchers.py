@@ -297,7 +297,8 @@ class RsyncFetcher:
 
     kind = "peer"
 
-    def __init__(self, run_command, path, *, host=None, user=None, port=None, ssh_key=None, ssh_args=None):
+    def __init__(self, run_command, path, *, host=None, user=None, port=None, ssh_key=None, ssh_args=None,
+                 name=None):
         self.run_command = run_command
         self.path = path.rstrip("/")
         self.host = host or None
@@ -305,9 +306,11 @@ class RsyncFetcher:
         self.port = port
         self.ssh_key = ssh_key
         self.ssh_args = ssh_args or []
+        self.name = name or None  # the peer's inventory name, for messages
 
     def describe(self):
-        return (f"{self._remote_host()}:{self.path}") if self.host else self.path
+        where = (f"{self._remote_host()}:{self.path}") if self.host else self.path
+        return f"host {self.name} ({where})" if self.name else where
 
     def _remote_host(self):
         return f"{self.user}@{self.host}" if self.user else self.host

@@ -103,3 +103,34 @@ def topology_args(groups, hostvars, defaults):
         "services": listener_services(groups, hostvars, defaults),
         "inventory": view_inventory(groups, hostvars, defaults),
     }
+
+
+def plain(value):
+    """value with Ansible's tagged types (its str, int, list, dict subclasses) turned into the plain ones, so a
+    problem line names the type the inventory wrote (int, not _AnsibleTaggedInt)."""
+    for kind in (bool, int, float, str):
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, Mapping):
+        return {plain(key): plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    return value
+
+
+def inventory_values(groups, hostvars, names, skip=()):
+    """host -> {name: value} of the names each host of group all sets (validate_inventory's input; a role default is
+    not included). skip: the exceptions of a value that cannot be computed yet (Ansible's templating of a var that
+    refers to one a later play defines): that value is left out, its writer still checks it."""
+    out = {}
+    for host in groups.get("all") or []:
+        own = _vars_of(hostvars, host)
+        values = {}
+        for name in names:
+            try:
+                if name in own:
+                    values[name] = plain(own[name])
+            except skip:
+                continue
+        out[host] = values
+    return out

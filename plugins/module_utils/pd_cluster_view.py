@@ -10,6 +10,7 @@ pd_cluster (plugins/action/pd_topology.py gathers the inventory data), bench/pd_
 from __future__ import annotations
 
 from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import POOLS
+from ansible_collections.b300.pd.plugins.module_utils.pd_topology_ports import firewall_addresses, firewall_matrix
 from ansible_collections.b300.pd.plugins.module_utils.pd_topology_values import (
     MIN_UNPRIVILEGED_PORT,
     as_port,
@@ -27,6 +28,10 @@ VIEW_VARS = {
     "pd_router_units": "pd_router",
     "pd_router_bind_host": "pd_router",
     "pd_frontdoor_metrics_port": "pd_frontdoor",
+    "pd_frontdoor_tls_enabled": "pd_frontdoor",
+    "pd_frontdoor_tls_certificate": "pd_frontdoor",
+    "pd_frontdoor_tls_client_ca": "pd_frontdoor",
+    "pd_control_dir": None,
     "observability_prometheus_port": "observability",
     "observability_alertmanager_enabled": "observability",
     "observability_alertmanager_port": "observability",
@@ -52,9 +57,26 @@ def _truthy(value):
     return bool(value)
 
 
-def _url(address, port):
+def _url(address, port, scheme="http"):
     host = f"[{address}]" if ":" in str(address) else address
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
+
+
+# Where the pd_frontdoor role keeps the bundle-made CA on the control node (under pd_control_dir).
+FRONTDOOR_CA_SUBPATH = ".cache/tls/ca.crt"
+
+
+def frontdoor_tls(enabled, certificate="", client_ca="", control_dir=None):
+    """A front door's scheme and the CA file (on the control node) its clients trust, from the pd_frontdoor TLS vars:
+    TLS off -> http, no CA; pd_frontdoor_tls_client_ca given -> that file; no certificate given (the bundle makes
+    one) -> the bundle's CA under pd_control_dir; an operator's certificate without a CA -> None (the system's)."""
+    if not _truthy(True if enabled is None else enabled):
+        return {"scheme": "http", "ca_file": None}
+    if client_ca:
+        return {"scheme": "https", "ca_file": str(client_ca)}
+    if not certificate and control_dir:
+        return {"scheme": "https", "ca_file": f"{str(control_dir).rstrip('/')}/{FRONTDOOR_CA_SUBPATH}"}
+    return {"scheme": "https", "ca_file": None}
 
 
 def _alertmanager_api(mon):
@@ -91,6 +113,9 @@ def view_inputs(groups, hostvars, defaults):
     routers = [{"host": h, "address": address(h), "client_port": var(h, "pd_router_port"),
                 "bind_host": var(h, "pd_router_bind_host"), "units": var(h, "pd_router_units"),
                 "frontdoor_metrics_port": var(h, "pd_frontdoor_metrics_port"),
+                "frontdoor_tls": frontdoor_tls(var(h, "pd_frontdoor_tls_enabled"),
+                                               var(h, "pd_frontdoor_tls_certificate"),
+                                               var(h, "pd_frontdoor_tls_client_ca"), var(h, "pd_control_dir")),
                 "node_exporter_port": var(h, "node_exporter_port")}
                for h in groups.get("router_hosts") or []]
     monitoring = [{"host": h, "address": address(h), "prometheus_port": var(h, "observability_prometheus_port"),
@@ -99,12 +124,13 @@ def view_inputs(groups, hostvars, defaults):
                    "alertmanager_listen_address": var(h, "observability_alertmanager_listen_address"),
                    "dcgm_exporter_port": var(h, "observability_dcgm_exporter_port")}
                   for h in groups.get("monitoring_hosts") or []]
-    # Every inventory host's ansible_host (a host without one adds none) and its pd_firewall_host_addresses.
-    peers = []
-    for h in groups.get("all") or []:
-        if var(h, "ansible_host") is not None:
-            peers.append(var(h, "ansible_host"))
-        peers += list(var(h, "pd_firewall_host_addresses") or [])
+    # Where each inventory host connects from: its ansible_host and pd_firewall_host_addresses, as set (checked by
+    # cluster_view: a wrong type is a problem naming the field, never a traceback here).
+    peers = {h: {"ansible_host": var(h, "ansible_host"),
+                 "pd_firewall_host_addresses": var(h, "pd_firewall_host_addresses")}
+             for h in groups.get("all") or []}
+    for m in monitoring:
+        m["node_exporter_port"] = var(m["host"], "node_exporter_port")
     return hosts, routers, monitoring, peers
 
 
@@ -147,15 +173,18 @@ def cluster_view(hosts, routers=(), monitoring=(), peers=()):
     """The normalized cluster view (JSON-able) of a topology that validate_topology() accepted.
 
     hosts: validate_topology's vLLM hosts (host -> {ansible_host, pd_instances, node_exporter_port}), inventory
-    order. routers: [{host, address, client_port, bind_host, units, frontdoor_metrics_port, node_exporter_port}].
+    order. routers: [{host, address, client_port, bind_host, units, frontdoor_metrics_port, node_exporter_port,
+    frontdoor_tls ({scheme, ca_file}, frontdoor_tls(); left out: http)}].
     monitoring: [{host, address, prometheus_port, alertmanager_port (None: not deployed),
     alertmanager_listen_address, dcgm_exporter_port}].
-    peers: the addresses every host's firewall admits as cluster peers. view_inputs() builds all four from the
-    inventory. Raises TopologyError when the router input is unusable.
+    peers: host -> {ansible_host, pd_firewall_host_addresses} (where each host connects from: the firewall's port
+    matrix), or a plain list of addresses (then each host connects from its address). view_inputs() builds all
+    four from the inventory. Raises TopologyError when the router input or pd_firewall_host_addresses is unusable.
     """
     problems = []
     for router in routers:
         _check_router(problems, router)
+    addresses, unmatched = _firewall_addresses(problems, hosts, routers, monitoring, peers)
     if problems:
         raise TopologyError(problems)
 
@@ -183,8 +212,11 @@ def cluster_view(hosts, routers=(), monitoring=(), peers=()):
                   "metrics_port": as_port(u["metrics_port"]), "url": _url(r["address"], as_port(u["port"]))}
                  for u in r["units"]]
         client_port = as_port(r["client_port"])
+        # The front door's scheme and the CA its clients trust (https on b300 by default, issue #32).
+        tls = r.get("frontdoor_tls") or {"scheme": "http", "ca_file": None}
         view_routers.append({"host": r["host"], "address": r["address"], "client_port": client_port,
-                             "url": _url(r["address"], client_port), "bind_host": r.get("bind_host"),
+                             "url": _url(r["address"], client_port, tls["scheme"]), "scheme": tls["scheme"],
+                             "ca_file": tls["ca_file"], "bind_host": r.get("bind_host"),
                              "frontdoor_metrics_port": as_port(r["frontdoor_metrics_port"]), "units": units})
         # The P/D router units as the first router host reaches them (its own on loopback): pd_rollout's registry
         # tool runs there and drains every P/D router.
@@ -219,14 +251,43 @@ def cluster_view(hosts, routers=(), monitoring=(), peers=()):
         "dcgm": [{"target": f"{address_of[h]}:{dcgm_port}", "labels": {"host": h}} for h in hosts],
     }
     first_mon = monitoring[0] if monitoring else None
+    matrix = firewall_matrix(addresses, {h: [i for i in instances if i["host"] == h] for h in hosts}, view_routers,
+                             [dict(m, prometheus_port=as_port(m.get("prometheus_port")),
+                                   alertmanager_port=as_port(m.get("alertmanager_port"))) for m in monitoring],
+                             exporters={**{m["host"]: m.get("node_exporter_port") for m in monitoring},
+                                        **{h: node_port[h] for h in node_hosts}},
+                             dcgm_port=dcgm_port)
     return {
         "instances": instances,
         "pools": pools,
         "routers": view_routers,
         "router_url": view_routers[0]["url"] if view_routers else None,
+        "router_ca_file": view_routers[0]["ca_file"] if view_routers else None,
         "pd_router_urls": pd_router_urls,
         "prometheus_url": _url(first_mon["address"], as_port(first_mon["prometheus_port"])) if first_mon else None,
         "alertmanager": _alertmanager_api(first_mon),
         "prometheus_targets": targets,
-        "firewall": {"peers": sorted({str(p).strip() for p in peers}), "hosts": firewall},
+        # peers: every address of the matrix (kept for tools that list the cluster's addresses); rules: host ->
+        # [{service, ports, from, sources}] (pd_topology_ports.firewall_matrix), what pd_firewall renders.
+        "firewall": {"peers": sorted({a for lst in addresses.values() for a in lst}), "hosts": firewall,
+                     "groups": matrix["groups"], "rules": matrix["rules"], "problems": unmatched},
     }
+
+
+def _firewall_addresses(problems, hosts, routers, monitoring, peers):
+    """(host -> [addresses it connects from], [firewall problems]) for the port matrix; problems of
+    pd_firewall_host_addresses are added to problems (the topology is refused)."""
+    address_of = {h: hv.get("ansible_host") for h, hv in hosts.items()}
+    for r in list(routers) + list(monitoring):
+        address_of.setdefault(r["host"], r.get("address"))
+    addresses, unmatched = {}, []
+    if isinstance(peers, dict):
+        for host, given in peers.items():
+            spec = given if isinstance(given, dict) else {}
+            addresses[host], bad = firewall_addresses(problems, host, spec.get("ansible_host"),
+                                                      spec.get("pd_firewall_host_addresses"))
+            unmatched += bad
+    else:  # a plain list of peers: each host connects from its address (when it is an IP)
+        for host, address in address_of.items():
+            addresses[host], _ = firewall_addresses(problems, host, address, None)
+    return addresses, unmatched

@@ -25,6 +25,8 @@ _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME_RE = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?")
 # Characters a path keeps in a systemd path list (ReadWritePaths=), an nft or nginx file: no spaces, quotes, `;`.
 _PATH_RE = re.compile(r"/[A-Za-z0-9_.@%+=:,/-]*")
+# The zone of a link-local IPv6 address (fe80::1%eth0): an interface name.
+_ZONE_RE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 
 _TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "a mapping", bool: "true or false"}
 
@@ -44,11 +46,20 @@ def _type_ok(value, kind):
     return isinstance(value, kind)
 
 
+def _type_name(value):
+    """The builtin type a value is (Ansible 2.21 hands templated values over as tagged subclasses, whose own names
+    like _AnsibleTaggedInt mean nothing to an operator)."""
+    for base in type(value).__mro__:
+        if base in (bool, int, float, str, list, dict, tuple, type(None)):
+            return base.__name__
+    return type(value).__name__
+
+
 def check_type(field, value, kind):
     """value is of kind (str, int, list, dict, bool); a bool is never an int. Returns value."""
     if not _type_ok(value, kind):
         raise InputError(
-            f"{field}: {_short(value)} is {type(value).__name__}, expected {_TYPE_NAMES.get(kind, kind.__name__)}; "
+            f"{field}: {_short(value)} is {_type_name(value)}, expected {_TYPE_NAMES.get(kind, kind.__name__)}; "
             f"set {field} to {_TYPE_NAMES.get(kind, kind.__name__)}")
     return value
 
@@ -88,6 +99,8 @@ def check_address(field, value):
     """An IPv4/IPv6 address or network (CIDR). Returns the normalized text."""
     text = check_text(field, value)
     try:
+        if "%" in text:  # an IPv6 zone: Python keeps any text after '%' ("fe80::1%x ; y"); no firewall set takes one
+            raise ValueError(text)
         return str(ipaddress.ip_network(text, strict=False)) if "/" in text else str(ipaddress.ip_address(text))
     except ValueError:
         raise InputError(
@@ -100,7 +113,9 @@ def check_host(field, value):
     check_text(field, value)
     try:
         ipaddress.ip_address(value)
-        return value
+        # Python keeps any text after an IPv6 zone's '%' ("fe80::1%eth0 ; server x"): only an interface name passes.
+        if "%" not in value or _ZONE_RE.fullmatch(value.split("%", 1)[1]):
+            return value
     except ValueError:
         pass
     if not _HOSTNAME_RE.fullmatch(value):
@@ -123,3 +138,19 @@ def problems_of(check, field, value, *args, where=None):
     except InputError as err:
         return [f"{where}, {err}" if where else str(err)]
     return []
+
+
+def check_strings(field, value):
+    """Every string inside value (mapping keys included, nested lists and mappings too) passes check_text; the
+    failing one is named field.key or field[i]. For values rendered as a whole (JSON, YAML) into one line."""
+    if isinstance(value, str):
+        return check_text(field, value)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_text(f"{field} (key {_short(key)})", key)
+            check_strings(f"{field}.{key}", item)
+    elif isinstance(value, list | tuple):
+        for idx, item in enumerate(value):
+            check_strings(f"{field}[{idx}]", item)
+    return value

@@ -10,10 +10,13 @@ Bad input raises RecipeError with a message naming the instance, the field and t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import posixpath
 import re
+
+from ansible_collections.b300.pd.plugins.module_utils import pd_input_rules as rules
 
 RECIPE_KEYS = (
     "pd_vllm_flags_common",
@@ -39,6 +42,17 @@ RESERVED_FLAGS = {
     "kv-transfer-config": "pd_kv_transfer_config / pd_kv_roles",
     "served-model-name": "pd_served_model_name",
 }
+# Secrets vLLM would take on its command line or from the env file: both are readable or kept where a key must not
+# be (argv in /proc/<pid>/cmdline, the 0644 unit and record, the module's result; the env file in diffs and
+# rollback copies). The workers' key reaches vLLM only as VLLM_API_KEY from its own 0640 file (API_KEY_ENV_FILE).
+KEY_FIX = (
+    "a secret there is readable in /proc/<pid>/cmdline, the unit file, the instance record and the task diff; "
+    "remove it and set pd_router_api_key (in vault): every instance then requires that key (VLLM_API_KEY from "
+    "its own 0640 file) and the routers send it"
+)
+KEY_FLAGS = ("api-key",)
+KEY_ENV = ("VLLM_API_KEY",)
+API_KEY_ENV_FILE = "api-key.env"
 # vLLM's short aliases: the recipe uses long names only, so a short one is a mistake we can name.
 SHORT_FLAG_ALIASES = {
     "tp": "tensor-parallel-size",
@@ -164,6 +178,15 @@ def check_flag_value(key, value, field, where):
     return problems
 
 
+def key_flag(norm):
+    """The key flag `norm` (long name, dashes) is or abbreviates (argparse expands a unique prefix), else None."""
+    for flag in KEY_FLAGS:
+        # "api-k" and longer prefixes: "api-" alone is also a prefix of other options, argparse refuses it.
+        if norm == flag or (len(norm) > flag.index("-") + 1 and flag.startswith(norm)):
+            return flag
+    return None
+
+
 def check_flag_dict(flags, field, where):
     """Validate one flag dict (common, pool or extra_flags). Returns a list of problems."""
     problems = []
@@ -189,6 +212,9 @@ def check_flag_dict(flags, field, where):
             problems.append(f"{where}, field {field}: flag name {key!r} is not a valid long option name")
             continue
         norm = key.replace("_", "-")
+        if key_flag(norm):
+            problems.append(f"{where}, field {field}: flag {key!r}: {KEY_FIX}")
+            continue
         if norm in RESERVED_FLAGS:
             problems.append(
                 f"{where}, field {field}: flag {key!r} is set per instance by the renderer from "
@@ -228,6 +254,9 @@ def check_env_dict(env, field, where, allow_reserved=False):
     for key, value in env.items():
         if not isinstance(key, str) or not ENV_NAME_RE.match(key):
             problems.append(f"{where}, field {field}: {key!r} is not a valid environment variable name")
+            continue
+        if key in KEY_ENV:
+            problems.append(f"{where}, field {field}: {key}: {KEY_FIX}")
             continue
         if not allow_reserved and key in RESERVED_ENV:
             problems.append(
@@ -295,6 +324,10 @@ def build_flags(recipe, instance):
     served = recipe.get("pd_served_model_name")
     if not served:
         raise RecipeError("field pd_served_model_name: missing; set the name clients send as \"model\"")
+    try:
+        rules.check_text("pd_served_model_name", served)  # written into the unit's Description= and ExecStart=
+    except rules.InputError as exc:
+        raise RecipeError(f"{where}, field {exc}") from None
     flags["served-model-name"] = served
     flags["port"] = instance["http_port"]
     flags["tensor-parallel-size"] = instance["tp_size"]
@@ -480,3 +513,33 @@ def render_env_file(env, instance):
     lines = [f"# Managed by Ansible (b300-pd vllm_serve) for vllm-{instance['name']}.service. Do not edit."]
     lines += [f"{k}={_env_value_quote(str(v))}" for k, v in env.items()]
     return "\n".join(lines) + "\n"
+
+
+def check_api_key(key, field="pd_router_api_key"):
+    """The workers' key: a string of printable characters without whitespace (it ends up in an env file line and an
+    Authorization header). Raises RecipeError naming the field, never echoing the key."""
+    if not isinstance(key, str):
+        raise RecipeError(f"field {field}: must be a string, got {type(key).__name__}; put the key in vault")
+    if not key or any(ch.isspace() or not ch.isprintable() for ch in key):
+        raise RecipeError(
+            f"field {field}: the workers' API key is empty or holds whitespace or control characters; set it to "
+            "a random printable string (e.g. `openssl rand -hex 32`, in vault)")
+    return key
+
+
+def api_key_digest(key):
+    """What the record holds of the workers' key: a slow salted digest (16 hex), never the key. A key change changes
+    the record, so every instance restarts into it through the drain path; the digest is 0644 but a guess costs a
+    PBKDF2 run of 200k rounds."""
+    return hashlib.pbkdf2_hmac("sha256", key.encode(), b"b300-pd worker api key", 200_000).hex()[:16]
+
+
+def render_api_key_env_file(key):
+    """The text of <env_dir>/api-key.env (root:<group> 0640, never diffed, never copied for a rollback)."""
+    check_api_key(key)
+    return ("# Managed by Ansible (b300-pd vllm_serve): the workers' API key (pd_router_api_key). Do not edit.\n"
+            f"VLLM_API_KEY={_env_value_quote(key)}\n")
+
+
+def api_key_env_path(env_dir=DEFAULT_ENV_DIR):
+    return f"{env_dir.rstrip('/')}/{API_KEY_ENV_FILE}"

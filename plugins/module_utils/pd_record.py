@@ -82,9 +82,14 @@ def model_revision(model_path):
     return posixpath.basename(model_path.rstrip("/")) if parent == "revisions" else None
 
 
-def build_record(instance, *, python, command, argv, servers, vllm_version, nixl_version, plugins=None):
-    """What the unit on disk runs, machine-readable: the change path reads this, never the unit text."""
-    return {
+def build_record(instance, *, python, command, argv, servers, vllm_version, nixl_version, plugins=None,
+                 api_key_digest=None):
+    """What the unit on disk runs, machine-readable: the change path reads this, never the unit text.
+
+    api_key_digest: pd_recipe.api_key_digest of the workers' key the unit loads (None: no key); a key change
+    changes the record and so restarts the instance through the drain path. Never the key itself.
+    """
+    record = {
         "schema": RECORD_SCHEMA,
         "instance": instance["name"],
         "pool": instance.get("pool"),
@@ -101,6 +106,9 @@ def build_record(instance, *, python, command, argv, servers, vllm_version, nixl
         "api_server_count": servers,
         "plugins": dict(plugins or {}),
     }
+    if api_key_digest:
+        record["api_key_digest"] = api_key_digest
+    return record
 
 
 def render_record(record):

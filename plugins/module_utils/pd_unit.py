@@ -11,6 +11,7 @@ from __future__ import annotations
 import posixpath
 import re
 
+from ansible_collections.b300.pd.plugins.module_utils import pd_input_rules as rules
 from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import (
     CONSOLE_SCRIPT_DISTRIBUTION,
     DEFAULT_ENV_DIR,
@@ -124,6 +125,8 @@ def unit_writable_paths(recipe, instance, state_root=DEFAULT_STATE_ROOT):
             value = (env or {}).get(key)
             if not isinstance(value, str) or not value.startswith("/"):
                 continue  # relative: under WorkingDirectory, the state dir
+            # A space would add a second path to the list (ReadWritePaths=... -/srv/x /etc), a quote or `..` more.
+            rules.check_abs_path(f"{instance_label(instance)}, field {field}.{key}", value)
             path = posixpath.normpath(value)
             if path == root or path.startswith(root + "/") or path in paths:
                 continue
@@ -150,9 +153,19 @@ def render_unit(
     stop_grace_s=30,
     vllm_package=CONSOLE_SCRIPT_DISTRIBUTION,
     model_path=None,
+    api_key_file=None,
+    requires_units=(),
 ):
-    """The systemd unit text of one instance (model_path: see build_argv)."""
+    """The systemd unit text of one instance (model_path: see build_argv).
+
+    api_key_file: the env file holding VLLM_API_KEY (pd_recipe.api_key_env_path), read by systemd at start, after
+    the instance's env file; without its `-` prefix a missing key file stops the unit instead of serving open.
+    requires_units: units the instance needs running first (Requires= and After=, e.g. pd-firewall.service).
+    """
     group = group or user
+    requires = [rules.check_name(f"requires_units[{i}]", u) for i, u in enumerate(requires_units or ())]
+    if api_key_file is not None:
+        rules.check_abs_path("api_key_file", api_key_file)
     command = serve_command(python, vllm_package)
     argv = build_argv(recipe, instance, model_path)
     flags = build_flags(recipe, instance)
@@ -183,6 +196,7 @@ def render_unit(
         "Documentation=https://docs.vllm.ai/",
         "After=network-online.target nvidia-fabricmanager.service nvidia-persistenced.service",
         "Wants=network-online.target",
+        *([f"Requires={' '.join(requires)}", f"After={' '.join(requires)}"] if requires else []),
         "StartLimitIntervalSec=0",
         "",
         "[Service]",
@@ -190,6 +204,7 @@ def render_unit(
         f"User={user}",
         f"Group={group}",
         f"EnvironmentFile={env_file_path(instance, env_dir)}",
+        *([f"EnvironmentFile={api_key_file}"] if api_key_file else []),
         f"WorkingDirectory={home}",
     ]
     if state_rel:

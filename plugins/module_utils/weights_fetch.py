@@ -17,7 +17,7 @@ from ansible_collections.b300.pd.plugins.module_utils.model_manifest import PART
 from ansible_collections.b300.pd.plugins.module_utils.model_nofollow import fd_path, open_nofollow
 
 
-def fetch_all(store, fetcher, todo, download_workers, bufsize):
+def fetch_all(store, fetcher, todo, download_workers, bufsize, *, authority="the manifest"):
     """Fetch the todo entries into store's revision directory, download_workers at a time; returns the bytes
     transferred. Each entry gets the sha256 it was checked against. Any failure is one WeightsError naming every
     file that failed; what arrived stays staged for the next run."""
@@ -25,7 +25,7 @@ def fetch_all(store, fetcher, todo, download_workers, bufsize):
     transferred = 0
     errors = []
     with ThreadPoolExecutor(max_workers=download_workers) as ex:
-        futures = [(f, ex.submit(fetch_one, store, fetcher, f, bufsize)) for f in todo]
+        futures = [(f, ex.submit(fetch_one, store, fetcher, f, bufsize, authority)) for f in todo]
         for f, fut in futures:
             try:
                 transferred += fut.result()
@@ -39,7 +39,7 @@ def fetch_all(store, fetcher, todo, download_workers, bufsize):
     return transferred
 
 
-def fetch_one(store, fetcher, entry, bufsize):
+def fetch_one(store, fetcher, entry, bufsize, authority="the manifest"):
     """Fetch one entry into its .part, check it (once more from byte 0 if it is wrong), rename it into place."""
     rel_dir, name = posixpath.split(entry["path"])
     part_name = name + PART_SUFFIX
@@ -59,10 +59,7 @@ def fetch_one(store, fetcher, entry, bufsize):
             except FileNotFoundError:
                 pass
             if attempt == 2:
-                raise WeightsError(
-                    f"{entry['path']} from {fetcher.describe()} does not match the manifest after a full "
-                    f"re-fetch (size {size}, expected {entry['size']}); the source is corrupt"
-                )
+                raise WeightsError(refusal(fetcher, entry, size, sha256, authority))
         entry["sha256"] = sha256
         rev_fd = store.tree_dir(posixpath.join("revisions", store.revision, rel_dir))
         try:
@@ -80,6 +77,21 @@ def fetch_one(store, fetcher, entry, bufsize):
     finally:
         os.close(stage_fd)
     return transferred
+
+
+def refusal(fetcher, entry, size, sha256, authority):
+    """Why a file the source delivered twice is refused: the source (a peer names its host) and the file, what it
+    sent and what authority (the manifest, or the one pinned on the control node) says."""
+    want = entry.get("sha256") or f"git blob {entry.get('git_sha1')}"
+    if size < 0:
+        got = "nothing arrived"
+    elif size != entry["size"]:
+        got = f"size {size}, {authority} says {entry['size']}"
+    else:
+        got = f"sha256 {sha256}, {authority} says {want}"
+    return (f"refused {entry['path']} from {fetcher.describe()}: it does not match {authority} after a full re-fetch "
+            f"({got}); that source's copy was changed or is corrupt: repair it there (rerun the role on that host) "
+            "or fetch from another source")
 
 
 def check_part(store, stage_fd, part_name, entry, bufsize):

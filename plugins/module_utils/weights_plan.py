@@ -18,6 +18,7 @@ from ansible_collections.b300.pd.plugins.module_utils.model_manifest import (
     validate_manifest,
     verify_files,
 )
+from ansible_collections.b300.pd.plugins.module_utils.weights_pin import PINNED
 
 
 class ContentPlan:
@@ -28,15 +29,18 @@ class ContentPlan:
     local_manifest_bad (why the revision's own manifest.json was not used, or None).
     """
 
-    def __init__(self, store, source, workers, bufsize, deep):
+    def __init__(self, store, source, workers, bufsize, deep, *, pinned=None):
         self.store = store
         self.source = source
         self.workers = workers
         self.bufsize = bufsize
         self.deep = deep
+        self.pinned = pinned
         self.local_manifest_bad = None
 
     def plan(self):
+        if self.pinned is not None:
+            return self._plan_pinned()
         store = self.store
         local_path = os.path.join(store.revdir, MANIFEST_NAME)
         manifest = None
@@ -73,6 +77,31 @@ class ContentPlan:
         self.states = states
         self.extra = extra
         self.todo = [f for f in manifest["files"] if states[f["path"]] != OK]
+        self.fetch_bytes = store.bytes_to_fetch(self.todo)
+        return self
+
+    def _plan_pinned(self):
+        """The manifest pinned on the control node is the authority: neither the revision's own manifest.json nor
+        the source's (a peer's) is read for the file list; every file is checked against the pin, what differs is
+        fetched and checked against it again, what it does not list is removed."""
+        store = self.store
+        manifest = self.pinned
+        local_path = os.path.join(store.revdir, MANIFEST_NAME)
+        self.local_manifest_bad = None
+        if os.path.exists(local_path):
+            try:
+                diff = manifest_differences(read_manifest_file(local_path), manifest)
+            except (ManifestError, KeyError, TypeError) as e:
+                diff = [f"unreadable: {e}"]
+            if diff:
+                self.local_manifest_bad = (f"{local_path} differs from {PINNED}: " + "; ".join(diff[:5])
+                                           + (f" (+{len(diff) - 5} more)" if len(diff) > 5 else ""))
+        self.manifest = manifest
+        self.origin = f"{self.source.describe()}, checked against {PINNED}"
+        self.states = verify_files(store.revdir, manifest["files"], workers=self.workers, bufsize=self.bufsize,
+                                   deep=self.deep)
+        self.extra = store.extras(manifest)
+        self.todo = [f for f in manifest["files"] if self.states[f["path"]] != OK]
         self.fetch_bytes = store.bytes_to_fetch(self.todo)
         return self
 

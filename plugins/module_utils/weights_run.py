@@ -14,6 +14,7 @@ from ansible_collections.b300.pd.plugins.module_utils.model_errors import Weight
 from ansible_collections.b300.pd.plugins.module_utils.model_hashing import default_workers
 from ansible_collections.b300.pd.plugins.module_utils.model_manifest import FETCHED, MISSING, REPAIRED
 from ansible_collections.b300.pd.plugins.module_utils.weights_fetch import fetch_all
+from ansible_collections.b300.pd.plugins.module_utils.weights_pin import PINNED, check_pinned, pin_manifest
 from ansible_collections.b300.pd.plugins.module_utils.weights_plan import ContentPlan
 from ansible_collections.b300.pd.plugins.module_utils.weights_report import (
     files_report,
@@ -48,10 +49,12 @@ class ModelWeights:
         uid, gid = owner_ids(p["owner"], p["group"])
         self.store = RevisionStore(self.root, self.revision, uid, gid)
         self.source = WeightsSource(p, self.bufsize, module.run_command)
+        self.pinned = None  # the manifest pinned on the control node (option manifest), checked in run()
 
     def plan(self):
         self.store.check_links()
-        self.content = ContentPlan(self.store, self.source, self.workers, self.bufsize, self.deep).plan()
+        self.content = ContentPlan(self.store, self.source, self.workers, self.bufsize, self.deep,
+                                   pinned=self.pinned).plan()
         self.served = ServedLink(self.link, self.store.revdir)
         self.retention = plan_retention(self.store, self.keep, self.in_use_records)
 
@@ -78,7 +81,8 @@ class ModelWeights:
         transferred = 0
         os.close(store.tree_dir(f"revisions/{self.revision}"))
         if content.todo:
-            transferred = fetch_all(store, self.source.fetcher(), content.todo, self.dl_workers, self.bufsize)
+            transferred = fetch_all(store, self.source.fetcher(), content.todo, self.dl_workers, self.bufsize,
+                                    authority=PINNED if self.pinned is not None else "the manifest")
             changed = True
         for rel in content.extra:
             store.remove_from_revision(rel)
@@ -99,9 +103,20 @@ class ModelWeights:
             store.write_history(history)
         return changed, transferred
 
+    def run_pin(self):
+        """Pin mode (option pin, on the control node): the pinned manifest of the revision, written when new."""
+        check_params(self.module.params, self.link, pin_mode=True)
+        changed, manifest = pin_manifest(self.module.params, self.source, self.check)
+        return dict(changed=changed, pin=self.module.params["pin"], pinned=manifest is not None, manifest=manifest,
+                    revision=self.revision)
+
     def run(self):
         t0 = time.monotonic()
+        if self.module.params["pin"]:
+            return self.run_pin()
         check_params(self.module.params, self.link)
+        if self.module.params["manifest"] is not None:
+            self.pinned = check_pinned(self.module.params["manifest"], self.revision)
         self.plan()
         if not self.check:
             self.preflight()
@@ -115,9 +130,11 @@ class ModelWeights:
             transferred_bytes=0,
             removed=content.extra,
             manifest_origin=content.origin,
+            pinned=self.pinned is not None,
         )
         if content.local_manifest_bad:
-            self.module.warn(f"ignored the revision's own manifest ({content.local_manifest_bad}); used the source's")
+            used = PINNED if self.pinned is not None else "the source's"
+            self.module.warn(f"ignored the revision's own manifest ({content.local_manifest_bad}); used {used}")
         revisions_before = list(self.retention.present)
         final = dict(content.states)
         if self.check:
@@ -141,6 +158,9 @@ class ModelWeights:
         if retention.record_problems:
             self.module.warn(unreadable_records_warning(self.root, retention.record_problems))
         result["files"] = files_report(content.manifest, final)
+        # What this host holds now (sha256 of every file once written): the first verified download's is pinned.
+        result["manifest"] = self.store.written_manifest or {"revision": self.revision,
+                                                             "files": content.manifest["files"]}
         result["summary"] = state_counts(final)
         result["elapsed_s"] = round(time.monotonic() - t0, 3)
         diff = revisions_diff(self.served, self.revision, revisions_before, retention)

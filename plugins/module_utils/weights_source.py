@@ -23,9 +23,9 @@ from ansible_collections.b300.pd.plugins.module_utils.model_manifest import SHA1
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def check_params(params, link):
+def check_params(params, link, pin_mode=False):
     """Refuse parameters the module cannot act on safely, with a message saying what to fix; link is the absolute
-    served path."""
+    served path (not looked at in pin mode: that runs on the control node, whose disk holds no served path)."""
     src = params["source"]
     revision = params["revision"]
     if not REVISION_RE.match(revision):
@@ -61,7 +61,7 @@ def check_params(params, link):
                 f"would travel in clear text; use an https:// {field.split('.')[1]}, or unset the token for a "
                 "source that needs none"
             )
-    if os.path.lexists(link) and not os.path.islink(link):
+    if not pin_mode and os.path.lexists(link) and not os.path.islink(link):
         raise WeightsError(
             f"{link} exists and is not a symlink; move it away (it is the served path model_weights manages)"
         )
@@ -96,6 +96,7 @@ class WeightsSource:
                 self._fetcher = RsyncFetcher(
                     self.run_command, src["path"], host=src.get("host"), user=src.get("user"),
                     port=src.get("port"), ssh_key=src.get("ssh_key"), ssh_args=src.get("ssh_args"),
+                    name=src.get("name"),
                 )
         return self._fetcher
 

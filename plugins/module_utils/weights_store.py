@@ -59,6 +59,7 @@ class RevisionStore:
         self.staging = os.path.join(root, ".staging", revision)
         self.uid = uid
         self.gid = gid
+        self.written_manifest = None  # the revision's manifest.json as write_manifest left it
         # Paths through /proc/<pid>/fd/<dir fd>/ reach a directory we opened without following links, so nobody can
         # swap one of its parents for a symlink between our check and a fetcher's (or rsync's) write.
         self.proc_fds = os.path.isdir(f"/proc/{os.getpid()}/fd")
@@ -191,6 +192,7 @@ class RevisionStore:
             sha = f.get("sha256") or self._hash_served(f["path"], bufsize)
             files.append({"path": f["path"], "size": f["size"], "sha256": sha})
         norm = {"revision": self.revision, "files": files}
+        self.written_manifest = norm
         dir_fd = open_dir_beneath(self.root, f"revisions/{self.revision}")
         try:
             try:

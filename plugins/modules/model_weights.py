@@ -27,6 +27,13 @@ description:
     healthy host does not need the source; the source is contacted only when something has to be fetched.
   - Revisions that are 64 hex digits are content addresses (sha256 of the canonical file list, see
     C(scripts/model-manifest)) and are checked against the manifest's file list.
+  - With O(manifest) (the manifest pinned on the control node) that manifest is the only authority - neither the
+    revision's own C(manifest.json) nor the source's (a peer's) is read for the file list - every file is checked
+    against it, and a file the source delivers that differs from it is refused, naming the source (its host, see
+    O(source.name)) and the file.
+  - With O(pin) the module runs in pin mode on the control node - it returns the pinned manifest of the revision from
+    the pin file, writing that file first when it does not exist (from O(manifest), the first verified download's,
+    or else from a V(hf) or V(http) source's listing) - and touches nothing else.
 version_added: "1.0.0"
 author: b300-pd contributors (@b300-pd)
 extends_documentation_fragment:
@@ -81,6 +88,10 @@ options:
         description:
           - Directory with C(manifest.json) and the files (V(path)), or the revision directory on the peer (V(peer)).
         type: path
+      name:
+        description: Inventory name of the peer (V(peer)), named in messages (a file it holds that differs from the
+          manifest is refused naming this host and the file).
+        type: str
       host:
         description: Peer address for rsync over ssh (V(peer)); empty means a local directory (tests).
         type: str
@@ -101,6 +112,22 @@ options:
   token:
     description: Bearer token for V(hf) and V(http) sources (C(pd_hf_token) from the vault).
     type: str
+  manifest:
+    description:
+      - The manifest of O(revision) pinned on the control node (C(revision) and C(files), a list of C(path), C(size)
+        and C(sha256) or, for a hub file outside LFS, C(git_sha1)). When set, it is what every file is checked
+        against and what decides which files the revision holds.
+      - In pin mode (O(pin)) the first verified download's manifest (this module's RV(manifest)) to pin when no pin
+        file exists yet; when one exists, both must agree.
+    type: dict
+  pin:
+    description:
+      - Pin mode - the absolute path of the pin file on the host the module runs on (the control node,
+        C(<model_weights_pin_dir>/<model>@<revision>.manifest.json)). Returns RV(manifest) from it, writing it when
+        it does not exist (from O(manifest), else from a V(hf) or V(http) source); for a V(path) or V(peer) source
+        with no pin and no O(manifest) returns a null RV(manifest). O(root) and O(link) are not touched; the result
+        holds only RV(revision), RV(pin), RV(pinned) and RV(manifest).
+    type: path
   keep:
     description: How many served revisions to keep (the current one included) for rollback.
     type: int
@@ -185,6 +212,33 @@ EXAMPLES = r"""
       user: root
       path: /mnt/model/glm/revisions/0123456789abcdef0123456789abcdef01234567
 
+- name: Pin the revision's manifest on the control node (from the hub's listing, once)
+  b300.pd.model_weights:
+    root: /mnt/model/glm
+    link: /mnt/model/glm/GLM-5.2-NVFP4
+    revision: 0123456789abcdef0123456789abcdef01234567
+    source:
+      type: hf
+      repo_id: zai-org/GLM-5.2-NVFP4
+    pin: /home/ops/b300-pd/.cache/weights/zai-org--GLM-5.2-NVFP4@0123456789abcdef0123456789abcdef01234567.manifest.json
+  delegate_to: localhost
+  run_once: true
+  become: false
+  register: pinned
+
+- name: Copy the revision from the first host, checking every byte against the pinned manifest
+  b300.pd.model_weights:
+    root: /mnt/model/glm
+    link: /mnt/model/glm/GLM-5.2-NVFP4
+    revision: 0123456789abcdef0123456789abcdef01234567
+    manifest: "{{ pinned.manifest }}"
+    source:
+      type: peer
+      name: b300-01
+      host: 10.0.0.11
+      user: root
+      path: 0123456789abcdef0123456789abcdef01234567
+
 - name: A locally generated model on shared storage
   b300.pd.model_weights:
     root: /srv/models
@@ -259,8 +313,23 @@ unreadable_records:
   type: list
   elements: str
 manifest_origin:
-  description: V(local) when the revision's own manifest.json was used, else the source description.
+  description: V(local) when the revision's own manifest.json was used, else the source description (and, with
+    O(manifest), that the files were checked against the manifest pinned on the control node).
   returned: always
+  type: str
+pinned:
+  description: Whether the files were checked against O(manifest) (in pin mode - whether the revision is pinned).
+  returned: always
+  type: bool
+manifest:
+  description: The revision's manifest as this host now holds it (with a sha256 for every file once written); in pin
+    mode the pinned manifest, or null when nothing is pinned yet.
+  returned: always
+  type: dict
+  sample: {"revision": "3f0c...e1", "files": [{"path": "config.json", "size": 64, "sha256": "9a1e..."}]}
+pin:
+  description: The pin file (pin mode).
+  returned: when O(pin) is set
   type: str
 """
 
@@ -289,6 +358,7 @@ def main():
                     endpoint=dict(type="str", default="https://huggingface.co"),
                     url=dict(type="str"),
                     path=dict(type="path"),
+                    name=dict(type="str"),
                     host=dict(type="str"),
                     user=dict(type="str"),
                     port=dict(type="int"),
@@ -297,6 +367,8 @@ def main():
                 ),
             ),
             token=dict(type="str", no_log=True),
+            manifest=dict(type="dict"),
+            pin=dict(type="path"),
             keep=dict(type="int", default=2),
             in_use_records=dict(type="list", elements="str", default=[]),
             verify=dict(type="str", default="full", choices=["full", "size"]),

@@ -128,18 +128,26 @@ cluster:
       as C(pd_cluster)); composed once, from the validated topology (plugins/module_utils/pd_cluster_view.py).
     - C(instances) (inventory order) each with name, host, address, pool, http_port, url, nixl_side_channel_port,
       nixl_side_channel_ports (one per DP rank), dp_rpc_port; C(pools) pool -> instance names.
-    - C(routers) (router_hosts order) each with host, address, client_port, url (its front door), bind_host,
+    - C(routers) (router_hosts order) each with host, address, client_port, url (its front door, https when
+      pd_frontdoor_tls_enabled), scheme, ca_file (the CA clients verify it with, or null), bind_host,
       frontdoor_metrics_port and units (name, mode, port, metrics_port, url).
-    - C(router_url) the clients' URL (the first router host's front door); C(pd_router_urls) every P/D router unit
+    - C(router_url) the clients' URL (the first router host's front door); C(router_ca_file) its CA file (null for the
+      system's CAs or plain http); C(pd_router_urls) every P/D router unit
       as the first router host reaches it (its own on loopback); C(prometheus_url); C(alertmanager) {host, url}, its
       API as its own host reaches it (loopback for the default listener; null where none is deployed).
     - C(prometheus_targets) job (vllm, pd-router, pd-frontdoor, node, dcgm) -> [{target, labels}].
-    - C(firewall) C(peers) (every host's ansible_host and pd_firewall_host_addresses) and C(hosts) host ->
-      {instance_ports, router_ports, client_ports}.
+    - C(firewall) C(peers) (every host's ansible_host and pd_firewall_host_addresses), C(hosts) host ->
+      {instance_ports, router_ports, client_ports}, C(groups) (the host sets the port matrix names, vllm, prefill,
+      decode, router, monitoring), C(rules) host -> [{service, ports, from, sources}] (the per-service port matrix,
+      plugins/module_utils/pd_topology_ports.py) and C(problems) (what the matrix could not place).
+    - The inventory checks of issue 32 (pd_topology.validate_inventory with plugins/module_utils/pd_input_rules.py,
+      over the router, front door, firewall and Alertmanager vars and every non-vLLM host's address) run in the
+      action plugin and fail the task with the module's own problems.
   returned: when the topology is valid and O(inventory) is given or gathered (always as a task)
   type: dict
   sample:
     router_url: http://10.237.0.13:8000
+    router_ca_file: null
     prometheus_url: http://10.237.0.13:9090
     pools: {prefill: [prefill-0], decode: [decode-0]}
     instances:

@@ -112,6 +112,26 @@ options:
       - Write the files under this directory instead of C(/) (review renders on the control node,
         playbooks/render.yml). Ownership is not changed in that mode.
     type: path
+  api_key:
+    description:
+      - The workers' API key (C(pd_router_api_key), the key the routers send). Every instance then requires it on
+        vLLM's C(/v1) API (C(/health) and C(/metrics) stay open; the firewall limits who reaches them).
+      - Written as C(VLLM_API_KEY) to C(<env_dir>/api-key.env) (mode 0640, root:O(group)), which the unit loads
+        with a second C(EnvironmentFile=) (without the C(-) prefix, so a missing key file stops the unit instead
+        of serving open). That file is never diffed, never copied to C(rollback/), and not written with
+        O(render_root); the key never reaches argv, the unit, the record or the result.
+      - The record holds a salted digest of the key (C(api_key_digest)), so a key change restarts every instance
+        through the caller's drain path like any other change.
+      - Empty or unset means no key (the instance serves C(/v1) to anyone who reaches it) and removes a key file
+        left by an earlier run. C(api-key) in the flags and C(VLLM_API_KEY) in the env are refused either way.
+    type: str
+  requires_units:
+    description:
+      - Units the instance needs (e.g. C(pd-firewall.service)); rendered as C(Requires=) and C(After=) in the
+        unit's C([Unit]) section.
+    type: list
+    elements: str
+    default: []
   pin_model_revision:
     description:
       - When C(pd_model_path) is a symlink on the host (role model_weights makes it point to
@@ -125,6 +145,7 @@ notes:
   - "Besides the unit and env file, writes C(<env_dir>/<name>.record.json) (0644): what the unit runs,
     machine-readable (python, command, argv, model revision, vLLM and NIXL versions, NIXL compatibility key,
     API server count). The change path (role pd_rollout) reads records, never the unit text."
+  - "With O(api_key), also writes C(<env_dir>/api-key.env) (0640, root:O(group)), shared by the host's instances."
   - "Before it changes the files of an instance that runs them (no restart pending), copies the old unit, env
     file and record to C(<env_dir>/rollback/): what to put back if the restart fails."
 extends_documentation_fragment:
@@ -266,6 +287,11 @@ rollback_dir:
   returned: always (null with render_root)
   type: str
   sample: /etc/vllm/rollback
+api_key_path:
+  description: The key file the unit loads (on the host; null without O(api_key)). Never under O(render_root).
+  returned: always
+  type: str
+  sample: /etc/vllm/api-key.env
 rollback_files:
   description:
     - The files of the previous state, as a rollback puts them back (role pd_rollout copies each C(saved) to
@@ -280,6 +306,13 @@ import os  # noqa: E402 (community.general layout: imports after DOCUMENTATION)
 import posixpath  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible_collections.b300.pd.plugins.module_utils.pd_files import (  # noqa: E402
+    atomic_write,
+    file_needs_attrs,
+    read_text,
+    set_attrs,
+)
+from ansible_collections.b300.pd.plugins.module_utils.pd_input_rules import InputError, check_name  # noqa: E402
 from ansible_collections.b300.pd.plugins.module_utils.pd_instance_check import check_instance_flags  # noqa: E402
 from ansible_collections.b300.pd.plugins.module_utils.pd_instance_files import (  # noqa: E402
     InstanceFiles,
@@ -291,11 +324,15 @@ from ansible_collections.b300.pd.plugins.module_utils.pd_instance_files import (
 from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import (  # noqa: E402
     CONSOLE_SCRIPT_DISTRIBUTION,
     RecipeError,
+    api_key_digest,
+    api_key_env_path,
     api_server_count,
     build_argv,
     build_env,
     build_flags,
+    check_api_key,
     env_file_path,
+    render_api_key_env_file,
     render_env_file,
     serve_command,
     unit_name,
@@ -312,7 +349,7 @@ from ansible_collections.b300.pd.plugins.module_utils.pd_unit import render_unit
 from ansible_collections.b300.pd.plugins.module_utils.pd_vllm_plugins import plugin_digests  # noqa: E402
 
 
-def render(module, p, group, model_path):
+def render(module, p, group, model_path, api_key_file):
     """(command, argv, api server count, unit text, env file text) of the instance; fails on bad recipe input."""
     instance, recipe = p["instance"], p["recipe"]
     try:
@@ -332,11 +369,35 @@ def render(module, p, group, model_path):
             stop_grace_s=p["stop_grace_s"],
             vllm_package=p["vllm_package"],
             model_path=model_path,
+            api_key_file=api_key_file,
+            requires_units=p["requires_units"],
         )
         return command, argv, servers, unit_text, render_env_file(env, instance)
-    except RecipeError as exc:
+    except (RecipeError, InputError) as exc:
         where = "" if str(exc).startswith("instance") else f"instance {instance['name']}, "  # most name it already
         module.fail_json(msg=f"{where}{exc} (nothing was written)")
+
+
+def write_api_key(module, path, text, *, uid, gid, result):
+    """Write (or, text None, remove) the key file; True when it changed. The key never reaches a message."""
+    try:
+        if text is None:
+            if os.path.lexists(path):
+                if not module.check_mode:
+                    os.unlink(path)
+                return True
+            return False
+        if read_text(path) != text:
+            if not module.check_mode:
+                atomic_write(path, text, 0o640, uid, gid)
+            return True
+        if file_needs_attrs(path, 0o640, uid, gid):
+            if not module.check_mode:
+                set_attrs(path, 0o640, uid, gid)
+            return True
+    except OSError as exc:
+        module.fail_json(msg=f"cannot write the workers' API key file {path}: {exc.strerror}", **result)
+    return False
 
 
 def main():
@@ -359,6 +420,8 @@ def main():
             restart_sec=dict(type="int", default=30),
             stop_grace_s=dict(type="int", default=30),
             render_root=dict(type="path"),
+            api_key=dict(type="str", no_log=True),
+            requires_units=dict(type="list", elements="str", default=[]),
             pin_model_revision=dict(type="bool", default=True),
         ),
         supports_check_mode=True,
@@ -368,10 +431,21 @@ def main():
     name = instance.get("name")
     if not isinstance(name, str) or not name:
         module.fail_json(msg="instance: field name is missing; every pd_instances entry needs a unique name")
+    try:
+        check_name("pd_instances[].name", name)  # it becomes the env, record and unit file names
+    except InputError as exc:
+        module.fail_json(msg=f"instance: {exc} (nothing was written)")
+    api_key = p["api_key"] or None
+    if api_key is not None:
+        try:
+            check_api_key(api_key)
+        except RecipeError as exc:
+            module.fail_json(msg=f"instance {name}: {exc} (nothing was written)")
     group = p["group"] or p["user"]
     pin = p["pin_model_revision"] and not render_root
     model_path = pinned_model_path(p["recipe"].get("pd_model_path")) if pin else None
-    command, argv, servers, unit_text, env_text = render(module, p, group, model_path)
+    key_file = api_key_env_path(p["env_dir"]) if api_key else None
+    command, argv, servers, unit_text, env_text = render(module, p, group, model_path, key_file)
 
     uname = unit_name(instance)
     unit_path = under_root(render_root, os.path.join(p["unit_dir"], uname))
@@ -379,7 +453,8 @@ def main():
     rec_path = under_root(render_root, record_path(instance, p["env_dir"]))
     result = dict(changed=False, restart_required=False, created=False, unit_name=uname, unit_path=unit_path,
                   env_path=env_path, record_path=rec_path, command=command, argv=argv, api_server_count=servers,
-                  flags_validated=False, flags_validation_cached=False, entry_point_checked=False)
+                  flags_validated=False, flags_validation_cached=False, entry_point_checked=False,
+                  api_key_path=key_file)
     versions = {}
     if p["validate_flags"]:
         checked, versions = check_instance_flags(
@@ -392,7 +467,8 @@ def main():
     # the plugins vLLM loads from the unit's venv (a render on the control node has none of it: {})
     plugins = {} if render_root else plugin_digests(posixpath.dirname(posixpath.dirname(p["python"])))
     record = build_record(instance, python=p["python"], command=command, argv=argv, servers=servers,
-                          vllm_version=versions.get("version"), nixl_version=versions.get("nixl"), plugins=plugins)
+                          vllm_version=versions.get("version"), nixl_version=versions.get("nixl"), plugins=plugins,
+                          api_key_digest=api_key_digest(api_key) if api_key else None)
     root_uid, gid = owner_ids(module, name, group, render_root)
     root_gid = 0 if root_uid == 0 else None
     pending_path = None if render_root else pending_marker(p["env_dir"], name)
@@ -406,7 +482,14 @@ def main():
                   back_to_running=state.back_to_running, changed=state.changed,
                   restart_required=state.restart_required)
     if module._diff:
-        result["diff"] = state.diffs
+        result["diff"] = state.diffs  # the key file is never among them
+    # The key file before the unit that loads it; a review render (render_root) never holds the key.
+    key_changed = False
+    if not render_root:
+        key_text = render_api_key_env_file(api_key) if api_key else None
+        key_changed = write_api_key(module, api_key_env_path(p["env_dir"]), key_text, uid=root_uid, gid=gid,
+                                    result=result)
+    result["changed"] = state.changed or key_changed
     if not module.check_mode and state.changed:
         state.write(module, result, name=name, unit_name=uname, uid=root_uid, gid=gid, render_root=render_root)
     module.exit_json(**result)

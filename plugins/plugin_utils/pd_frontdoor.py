@@ -19,15 +19,26 @@ written into nginx's config as ``"Bearer <key>"``: no quotes, spaces or semicolo
 admitted while fewer than M + R are in flight, one over it while fewer than M: one key alone fills the cluster, and a
 key within its share is never starved by one far over it.
 
+``pd_frontdoor_tls_sans(host, address)`` -> the subjectAltName of the bundle-made server certificate of a front door:
+its address (ansible_host, IP or DNS), its inventory name when that is a DNS name, and 127.0.0.1 (the role's own
+health probe); the address checked with pd_input_rules.check_host (it is written into openssl's config).
+
+``pd_frontdoor_key_transport(url, allow_plain_http, field)`` -> the URL a client key is sent to, refused when it is
+plain http to a non-loopback host (the key and the prompts would cross the network in clear text) unless
+``allow_plain_http`` (pd_frontdoor_allow_plain_http, test networks only).
+
 Errors name the field and the fix (contributing.md).
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import re
+from urllib.parse import urlsplit
 
+from ansible_collections.b300.pd.plugins.module_utils.pd_input_rules import InputError, check_host
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_filter_errors import fail
 
 _KEY_RE = re.compile(r"[A-Za-z0-9._~+/=-]{24,256}")
@@ -50,10 +61,58 @@ def pd_frontdoor_backends(cluster, this_host, router_bind_host="127.0.0.1"):
     for router in cluster["routers"]:
         if router["host"] != this_host and not remote_ok:
             continue
-        addr = "127.0.0.1" if router["host"] == this_host else router["address"]
+        addr = "127.0.0.1" if router["host"] == this_host else _upstream_host(router)
         out += [{"name": f"{router['host']}/{u['name']}", "address": f"{addr}:{u['port']}", "mode": u["mode"]}
                 for u in router["units"]]
     return sorted(out, key=lambda b: b["mode"] != "pd")
+
+
+def _upstream_host(router):
+    """A router host's address as an nginx upstream line takes it (issue #32: checked where it is written)."""
+    try:
+        addr = check_host(f"router host {router['host']}, field ansible_host", router["address"])
+    except InputError as err:
+        fail(f"pd_frontdoor: {err}")
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def pd_frontdoor_tls_sans(host, address):
+    try:
+        addr = check_host(f"router host {host}, field ansible_host", address)
+    except InputError as err:
+        fail(f"pd_frontdoor: {err}")
+    names = []
+    for name in (addr, host, "127.0.0.1"):
+        try:
+            entry = f"IP:{ipaddress.ip_address(name)}"
+        except ValueError:
+            try:
+                entry = f"DNS:{check_host('inventory_hostname', name)}"
+            except InputError:
+                continue  # an inventory name that is no DNS name (e.g. with "_") is only the inventory's
+        if entry not in names:
+            names.append(entry)
+    return ",".join(names)
+
+
+def pd_frontdoor_key_transport(url, allow_plain_http=False, field="pd_verify_router_url"):
+    parts = urlsplit(str(url or ""))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        fail(f"pd_frontdoor: {field} is {str(url)!r}: give the front door's URL, https://<host>:<port> (the cluster "
+             "view's pd_cluster.router_url)")
+    host = parts.hostname
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    plain_ok = allow_plain_http if isinstance(allow_plain_http, bool) else \
+        str(allow_plain_http).strip().lower() in ("true", "yes", "on", "1")
+    if parts.scheme == "http" and not loopback and not plain_ok:
+        fail(f"pd_frontdoor: {field} is {url}: a client key would go over plain HTTP to {host} (not loopback), in "
+             "clear text. Turn TLS on (pd_frontdoor_tls_enabled: true, the default: without "
+             "pd_frontdoor_tls_certificate the bundle makes a CA), or, on a test network only, set "
+             "pd_frontdoor_allow_plain_http: true")
+    return url
 
 
 def pd_frontdoor_keys(keys):

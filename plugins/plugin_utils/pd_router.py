@@ -24,20 +24,15 @@ from __future__ import annotations
 
 import json
 
+from ansible_collections.b300.pd.plugins.module_utils.pd_input_rules import check_host, check_strings, check_text
+from ansible_collections.b300.pd.plugins.module_utils.pd_topology import ROUTER_OWNED_FLAGS, check_router_extra_args
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_filter_errors import fail
 
 POOLS = ("prefill", "decode")
 
-# Flags the role renders itself; extra_args must not set them (two sources of truth).
-_OWNED_FLAGS = {
-    "vllm-pd-disaggregation", "prefill", "decode", "host", "port", "prometheus-host", "prometheus-port",
-    "policy", "prefill-policy", "decode-policy", "kv-connector", "api-key", "health-failure-threshold",
-    "health-success-threshold", "health-check-timeout-secs", "health-check-interval-secs",
-    "health-check-endpoint", "retry-max-retries", "retry-initial-backoff-ms", "retry-max-backoff-ms",
-    "request-timeout-secs", "queue-timeout-secs", "worker-startup-timeout-secs",
-    "worker-startup-check-interval", "log-level", "worker-urls", "enable-igw",
-    # The workers' API key: files/pd_router_launch.py reads it from a systemd credential, never from argv.
-}
+# Flags the role renders itself; extra_args must not set them (two sources of truth). One list, in module_utils:
+# playbooks/validate.yml refuses them too (pd_topology.check_router_extra_args).
+_OWNED_FLAGS = ROUTER_OWNED_FLAGS
 
 
 def pd_router_workers(cluster, hosts=None):
@@ -67,9 +62,31 @@ def _flag_args(flag, value):
     return [f"--{flag}", str(value)]
 
 
+# The settings written into ExecStart as text (settings key -> the inventory var), checked with the shared rules
+# (plugins/module_utils/pd_input_rules.py) even when playbooks/validate.yml did not run: an InputError names the var.
+_TEXT_SETTINGS = {
+    "kv_connector": "pd_router_kv_connector", "policy": "pd_router_policy",
+    "prefill_policy": "pd_router_prefill_policy", "decode_policy": "pd_router_decode_policy",
+    "health_check_endpoint": "pd_router_health_check_endpoint", "log_level": "pd_router_log_level",
+}
+_HOST_SETTINGS = {"host": "pd_router_bind_host", "metrics_host": "pd_router_metrics_bind_host"}
+
+
+def _check_settings(s):
+    for key, var in _HOST_SETTINGS.items():
+        if key in s:
+            check_host(var, str(s[key]))
+    for key, var in _TEXT_SETTINGS.items():
+        if s.get(key) is not None:
+            check_text(var, str(s[key]))
+    if s.get("extra_args"):
+        check_router_extra_args("pd_router_extra_args", s["extra_args"])
+
+
 def pd_router_argv(workers, settings):
     """The vllm-router arguments for P/D mode (the part of ExecStart after the executable)."""
     s = dict(settings or {})
+    _check_settings(s)
     igw = bool(s.get("igw"))
     if igw:
         # vllm-router 0.1.17 in IGW mode ignores --prefill-policy/--decode-policy: its P/D router selects prefill
@@ -210,8 +227,10 @@ def pd_router_registry(workers, model_id):
 def pd_router_quote(argv):
     """Join argv for a systemd ExecStart= line (double quotes where needed; ${VAR} stays expandable)."""
     out = []
-    for arg in argv:
-        a = str(arg)
+    for idx, arg in enumerate(argv):
+        # A control character ends the ExecStart= line (a newline starts a new directive): refused whatever the
+        # argument's source (the filters above name the inventory var; this is the last line of defence).
+        a = check_strings(f"pd_router_quote: vllm-router argument {idx}", str(arg))
         if a and all(c.isalnum() or c in "-_./:,=@+${}" for c in a):
             out.append(a)
         else:

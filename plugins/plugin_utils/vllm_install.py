@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 
 # PEP 508 distribution names and PEP 440-ish versions: what may appear in a directory name under venvs/.
-_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
-_VERSION_RE = re.compile(r"^[0-9][0-9A-Za-z.+!_-]*$")
-_SUFFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# \A..\Z, not ^..$: "$" also matches before a trailing newline ("0.32.0\n" would name a venv directory).
+_NAME_RE = re.compile(r"\A[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?\Z")
+_VERSION_RE = re.compile(r"\A[0-9][0-9A-Za-z.+!_-]*\Z")
+_SUFFIX_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 _PIN_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*==\s*([0-9A-Za-z.+!_-]+)\s*(;.*)?$")
 
 

@@ -690,14 +690,18 @@ def test_role_local_path_source_idempotent_and_check_mode(world_readable_tmp):
         p.chmod(0o755 if p.is_dir() else 0o644)
     v = {"pd_model_root": str(tmp / "models"), "pd_model_path": str(tmp / "models" / "tiny-pd"),
          "pd_model_source": {"type": "path", "path": str(tmp / "src"), "revision": m["revision"]},
-         "pd_vllm_user": "nobody", "model_weights_space_margin_mib": 0, "model_weights_async_poll": 1}
+         "pd_vllm_user": "nobody", "model_weights_space_margin_mib": 0, "model_weights_async_poll": 1,
+         "pd_control_dir": str(tmp / "control")}
     p, changed, failed = _playbook(tmp, v, check=True)
     assert failed == 0, p.stdout[-3000:]
     assert not (tmp / "models" / "revisions" / m["revision"]).exists()  # check mode fetched nothing
+    pin = tmp / "control" / ".cache" / "weights" / f"tiny-pd@{m['revision']}.manifest.json"
+    assert not pin.exists()  # nor pinned anything
     p, changed, failed = _playbook(tmp, v)
     assert failed == 0 and changed >= 1, p.stdout[-3000:]
     assert os.readlink(tmp / "models" / "tiny-pd") == f"revisions/{m['revision']}"
     assert '{"fetched": 4}' in re.sub(r"\s+", " ", p.stdout)  # the role's summary line
+    assert json.loads(pin.read_text()) == m  # the first verified download, pinned on the control node
     p, changed, failed = _playbook(tmp, v)
     assert (changed, failed) == (0, 0), p.stdout[-3000:]
     p, changed, failed = _playbook(tmp, v, check=True)

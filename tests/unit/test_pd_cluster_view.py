@@ -33,6 +33,8 @@ def test_local_instances_router_and_prometheus():
         ("decode-0", "pd-decode-0", "decode", "http://10.237.0.12:8200")]
     assert v["pools"] == {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0"]}
     assert v["router_url"] == "http://10.237.0.13:8000"
+    # inventory/local opts out of TLS (pd_frontdoor_tls_enabled: false, pd_frontdoor_allow_plain_http): no CA.
+    assert v["router_ca_file"] is None and v["routers"][0]["scheme"] == "http"
     assert v["prometheus_url"] == "http://10.237.0.13:9090"
     # Alertmanager listens on loopback (the role's default): its API as the monitoring host itself reaches it
     assert v["alertmanager"] == {"host": "pd-router-0", "url": "http://127.0.0.1:9093"}
@@ -69,7 +71,11 @@ def test_b300_view_is_mains():
     assert [i["url"] for i in v["instances"]] == [
         "http://192.0.2.11:8100", "http://192.0.2.11:8101", "http://192.0.2.12:8100", "http://192.0.2.12:8101",
         "http://192.0.2.13:8200"]
-    assert v["router_url"] == "http://192.0.2.13:8000"  # router_hosts[0] is b300-03
+    # TLS by default (issue #32): the front doors answer https, clients trust the bundle's CA on the control node.
+    assert v["router_url"] == "https://192.0.2.13:8000"  # router_hosts[0] is b300-03
+    assert [(r["url"], r["scheme"]) for r in v["routers"]] == [("https://192.0.2.13:8000", "https"),
+                                                              ("https://192.0.2.12:8000", "https")]
+    assert Path(v["router_ca_file"]).resolve() == ROOT / ".cache" / "tls" / "ca.crt"
     assert v["prometheus_url"] == "http://192.0.2.13:9090"
     assert v["pd_router_urls"] == ["http://127.0.0.1:8001", "http://192.0.2.12:8001"]
     fw = v["firewall"]["hosts"]
@@ -152,7 +158,9 @@ def _published_view(inventory: Path, tmp_path: Path) -> dict:
     proc = subprocess.run(  # noqa: S603 - the repo's own ansible-playbook
         [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inventory),
          str(ROOT / "playbooks" / "validate.yml"), "--skip-tags", "frontdoor,known_hosts",
-         "-e", "pd_control_vllm_python=none"],
+         "-e", "pd_control_vllm_python=none",
+         # The workers' key (validate refuses a deploy without one; the copied inventory has no .cache beside it).
+         "-e", "pd_router_api_key=" + "0" * 64],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -172,3 +180,49 @@ def test_playbook_and_bench_compose_the_same_view_of_every_view_var(tmp_path):
     bench_view = load(inventory)
     assert bench_view["alertmanager"] == {"host": "pd-router-0", "url": "http://10.237.0.13:9093"}
     assert _published_view(inventory, tmp_path) == bench_view
+
+
+def test_firewall_matrix_per_service():
+    """Issue 32: each service port of each host lists the hosts that need it (pd_topology_ports.firewall_matrix)."""
+    hosts = {"p1": {"ansible_host": "10.0.0.1", "node_exporter_port": 9100, "pd_instances": [
+                 {"name": "p", "pool": "prefill", "http_port": 8100, "nixl_side_channel_port": 5600, "dp_size": 2,
+                  "dp_rpc_port": 13345}]},
+             "d1": {"ansible_host": "10.0.0.2", "node_exporter_port": 9100, "pd_instances": [
+                 {"name": "d", "pool": "decode", "http_port": 8200, "nixl_side_channel_port": 5700}]}}
+    mon = {"host": "m1", "address": "10.0.0.8", "prometheus_port": 9090, "alertmanager_port": 9093,
+           "alertmanager_listen_address": "127.0.0.1", "dcgm_exporter_port": 9400, "node_exporter_port": 9100}
+    peers = {h: {"ansible_host": a, "pd_firewall_host_addresses": x} for h, a, x in [
+        ("p1", "10.0.0.1", ["fd00::1"]), ("d1", "10.0.0.2", None), ("r1", "10.0.0.9", []), ("m1", "10.0.0.8", [])]}
+    fw = cluster_view(hosts, [_router()], [mon], peers)["firewall"]
+    rules = {h: {r["service"]: (r["ports"], r["sources"]) for r in rs} for h, rs in fw["rules"].items()}
+    assert rules["p1"] == {"vllm_http": ([8100], ["10.0.0.8", "10.0.0.9"]),
+                           "nixl_side_channel_prefill": ([5600, 5601], ["10.0.0.2"]),
+                           "dp_rpc": ([13345], ["10.0.0.1", "10.0.0.2", "fd00::1"]),
+                           "dcgm_exporter": ([9400], ["10.0.0.8"]), "node_exporter": ([9100], ["10.0.0.8"])}
+    assert rules["d1"]["nixl_side_channel_decode"] == ([5700], ["10.0.0.1", "fd00::1"])
+    assert rules["r1"] == {"router_api": ([8001], ["10.0.0.9"]), "router_metrics": ([29000], ["10.0.0.8"]),
+                           "frontdoor": ([8000], ["10.0.0.9"]), "frontdoor_metrics": ([3903], ["10.0.0.8"]),
+                           "node_exporter": ([9100], ["10.0.0.8"])}
+    # Alertmanager on loopback (the default) needs no rule; Prometheus from the monitoring hosts
+    assert rules["m1"] == {"prometheus": ([9090], ["10.0.0.8"]), "node_exporter": ([9100], ["10.0.0.8"])}
+    assert fw["problems"] == []
+
+
+@pytest.mark.parametrize(("value", "named"), [
+    (5, "host h1, field pd_firewall_host_addresses: 5 is int, expected a list"),
+    (["10.0.0.1; drop"], "host h1, field pd_firewall_host_addresses[0]: '10.0.0.1; drop' is not an IP address"),
+])
+def test_bad_firewall_host_addresses_are_named(value, named):
+    peers = {"h1": {"ansible_host": "10.0.0.1", "pd_firewall_host_addresses": value}}
+    with pytest.raises(TopologyError) as err:
+        cluster_view(_hosts(), [_router()], [], peers)
+    assert named in str(err.value)
+
+
+def test_dns_ansible_host_is_a_firewall_problem_only():
+    """A DNS name cannot be matched by nft: the view still composes (firewall off works), pd_firewall refuses."""
+    hosts = {"h1": dict(_hosts()["h1"], ansible_host="gpu1.example")}
+    fw = cluster_view(hosts, [_router()], [], {"h1": {"ansible_host": "gpu1.example"}})["firewall"]
+    assert fw["problems"] == ["host h1, field ansible_host: 'gpu1.example' is not an IP address; the firewall "
+                              "matches addresses: set ansible_host to the host's IP, or list its IPs in "
+                              "pd_firewall_host_addresses"]

@@ -1,18 +1,20 @@
-"""pd_firewall's rendered ruleset, loaded into a real network namespace, against real TCP connections.
+"""pd_firewall's rendered b300 rulesets, loaded into a real network namespace, against real TCP connections.
 
-Topology (all namespaces made here, removed in a finalizer): a server namespace holding the ruleset, listening on
-the ports under test (IPv4 and IPv6), linked by two veth pairs to
-  - a peer:     192.0.2.12 (b300-02's ansible_host) and 2001:db8::12 (declared in pd_firewall_host_addresses),
-  - a non-peer: 198.51.100.7 and 2001:db8:1::7.
-IPv6 addresses are resolved by neighbour discovery through the firewall (its ICMPv6 rules are exercised too).
-A connection that is dropped times out; the listener accepts every port it listens on, so "open" means the
-firewall let the SYN through. Needs root and `ip netns` (skipped otherwise, with the reason).
+Topology (all namespaces made here, removed in a finalizer): a server namespace holding one host's ruleset,
+listening on every port under test (IPv4 and IPv6), linked by one veth pair each to a client namespace that has a
+b300 host's address (b300-01 192.0.2.11: prefill only; b300-02 192.0.2.12: prefill and router host; b300-03
+192.0.2.13: decode, router and monitoring host) or an outsider's (198.51.100.7). IPv6 addresses are resolved by
+neighbour discovery through the firewall (its ICMPv6 rules are exercised too). A connection that is dropped times
+out; the listener accepts every port it listens on, so "open" means the firewall let the SYN through.
+The load decision (tasks/live.yml: the loaded table's digest against the file's) runs with ansible-playbook inside
+a namespace of its own. Needs root and `ip netns` (skipped otherwise, with the reason).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,15 +23,27 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
 from ansible_collections.b300.pd.tests.unit.test_pd_firewall import render
 
 ROOT = Path(__file__).resolve().parents[2]
-PEER = {"v4": "192.0.2.12", "v6": "2001:db8::12"}
-NON_PEER = {"v4": "198.51.100.7", "v6": "2001:db8:1::7"}
-SERVER = {"peer": {"v4": "192.0.2.11", "v6": "2001:db8::11"}, "non_peer": {"v4": "198.51.100.1", "v6": "2001:db8:1::1"}}
-UNLISTED = (29500, 47000)
-SSH = 22
+CLIENTS = {
+    "b300-01": {"v4": "192.0.2.11", "v6": "2001:db8::11"},
+    "b300-02": {"v4": "192.0.2.12", "v6": "2001:db8::12"},
+    "b300-03": {"v4": "192.0.2.13", "v6": "2001:db8::13"},
+    "outsider": {"v4": "198.51.100.7", "v6": "2001:db8:1::7"},
+}
 CONNECT_TIMEOUT_S = 1.5
+# b300's ports (inventory/b300): SSH, front door, router API (P/D, colocated), router metrics, mtail, Prometheus,
+# node exporter, DCGM exporter, vLLM HTTP (prefill, decode), NIXL side channel (prefill, decode), DP RPC, two
+# unlisted ports (one in Linux's ephemeral range).
+SSH, FRONTDOOR, ROUTER_API, ROUTER_METRICS, MTAIL = 22, 8000, 8001, 29000, 3903
+PROMETHEUS, NODE, DCGM = 9090, 9100, 9400
+PREFILL_HTTP, DECODE_HTTP, PREFILL_NIXL, DECODE_NIXL, DP_RPC = 8100, 8200, 5600, 5700, 13345
+UNLISTED = (29500, 47000)
+PORTS = (SSH, FRONTDOOR, ROUTER_API, ROUTER_METRICS, MTAIL, PROMETHEUS, NODE, DCGM, PREFILL_HTTP, DECODE_HTTP,
+         PREFILL_NIXL, DECODE_NIXL, DP_RPC, *UNLISTED)
 
 LISTENER = textwrap.dedent("""
     import selectors, socket, sys
@@ -64,8 +78,8 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def _run(*cmd, check=True):
-    return subprocess.run(cmd, capture_output=True, text=True, check=check)
+def _run(*cmd, check=True, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, check=check, **kw)
 
 
 def _netns_unavailable():
@@ -82,11 +96,12 @@ def _netns_unavailable():
 
 
 class Lab:
-    """Server, peer and non-peer namespaces; `matrix()` connects from the clients to the server's ports."""
+    """A server namespace and one client namespace per CLIENTS entry; `matrix()` connects from the clients."""
 
     def __init__(self, ports):
         tag = f"pdfw{os.getpid()}"
-        self.ns = {"server": f"{tag}s", "peer": f"{tag}p", "non_peer": f"{tag}n"}
+        self.ns = {"server": f"{tag}s", **{c: f"{tag}c{i}" for i, c in enumerate(CLIENTS)}}
+        self.server = {c: {"v4": f"198.18.{i}.1", "v6": f"2001:db8:ff{i}::1"} for i, c in enumerate(CLIENTS)}
         self.ports = sorted(set(ports))
         self.listener = None
 
@@ -98,16 +113,19 @@ class Lab:
             _run("ip", "netns", "add", name)
         for ns in self.ns:
             self.exec(ns, "ip", "link", "set", "lo", "up")
-        for client, addrs in (("peer", PEER), ("non_peer", NON_PEER)):
-            srv_if, cli_if = f"s-{client[:4]}", "eth0"
-            _run("ip", "link", "add", srv_if, "netns", self.ns["server"], "type", "veth", "peer", "name", cli_if,
+        for i, (client, addrs) in enumerate(CLIENTS.items()):
+            srv_if = f"s-{i}"
+            _run("ip", "link", "add", srv_if, "netns", self.ns["server"], "type", "veth", "peer", "name", "eth0",
                  "netns", self.ns[client])
-            server = SERVER[client]
-            for ns, ifname, mine in (("server", srv_if, server), (client, cli_if, addrs)):
-                self.exec(ns, "ip", "addr", "add", f"{mine['v4']}/24", "dev", ifname)
+            server = self.server[client]
+            # point to point: each end's address as a host route to the other (no shared subnet between links)
+            for ns, ifname, mine, other in (("server", srv_if, server, addrs), (client, "eth0", addrs, server)):
+                self.exec(ns, "ip", "addr", "add", f"{mine['v4']}/32", "dev", ifname)
                 # nodad: usable at once, no wait for duplicate address detection
-                self.exec(ns, "ip", "-6", "addr", "add", f"{mine['v6']}/64", "dev", ifname, "nodad")
+                self.exec(ns, "ip", "-6", "addr", "add", f"{mine['v6']}/128", "dev", ifname, "nodad")
                 self.exec(ns, "ip", "link", "set", ifname, "up")
+                self.exec(ns, "ip", "route", "add", f"{other['v4']}/32", "dev", ifname)
+                self.exec(ns, "ip", "-6", "route", "add", f"{other['v6']}/128", "dev", ifname)
         self.listener = subprocess.Popen(
             ["ip", "netns", "exec", self.ns["server"], sys.executable, "-c", LISTENER, *map(str, self.ports)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -125,21 +143,15 @@ class Lab:
         proc = self.exec("server", "nft", "-f", str(ruleset_path), check=False)
         assert proc.returncode == 0, proc.stderr
 
-    def matrix(self, ports):
+    def matrix(self, ports, clients=tuple(CLIENTS), families=("v4",)):
         """{(client, family, port): "open" | error name} for every client, family and port."""
         out = {}
-        for client in ("peer", "non_peer"):
-            targets = [[SERVER[client][fam], port] for fam in ("v4", "v6") for port in ports]
+        for client in clients:
+            targets = [[self.server[client][fam], port] for fam in families for port in ports]
             proc = self.exec(client, sys.executable, "-c", PROBE, str(CONNECT_TIMEOUT_S), json.dumps(targets))
             for addr, port, result in json.loads(proc.stdout):
                 out[(client, "v6" if ":" in addr else "v4", port)] = result
         return out
-
-
-B300_01 = yaml.safe_load((ROOT / "inventory/b300/host_vars/b300-01.yml").read_text())["pd_instances"]
-LISTED = sorted({B300_01[0]["http_port"], B300_01[0]["nixl_side_channel_port"], B300_01[0]["dp_rpc_port"]})
-ROUTER_PORT = 8000
-B300_03_SIDE_CHANNEL = 5700
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +159,7 @@ def lab():
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
-    lab = Lab([*LISTED, *UNLISTED, SSH, ROUTER_PORT, B300_03_SIDE_CHANNEL])
+    lab = Lab(PORTS)
     try:
         lab.up()
         yield lab
@@ -155,59 +167,209 @@ def lab():
         lab.down()
 
 
-def _ruleset(tmp_path, inventory, host, *extra):
-    render(tmp_path, inventory, *extra)
-    return tmp_path / f"{host}.nft"
+@pytest.fixture(scope="module")
+def b300_rulesets(tmp_path_factory):
+    """The b300 inventory's rulesets as the role writes them (host -> path)."""
+    out = tmp_path_factory.mktemp("b300")
+    render(out, "inventory/b300")
+    return {p.stem: p for p in out.glob("*.nft")}
 
 
-def test_b300_matrix_peer_non_peer_ipv6(lab, tmp_path):
-    lab.load(_ruleset(tmp_path, "inventory/b300", "b300-01",
-                      "-e", json.dumps({"pd_firewall_host_addresses": [PEER["v6"]]})))
-    result = lab.matrix([*LISTED, *UNLISTED, SSH])
+def _check(lab, ruleset, expected, families=("v4",)):
+    """Loads ruleset, connects from every client to every port; expected: {(client, port): True (open)} for the
+    open ones, every other (client, port) must be refused."""
+    lab.load(ruleset)
+    result = lab.matrix(PORTS, families=families)
     wrong = {}
-    for fam in ("v4", "v6"):
-        for port in LISTED:
-            if result[("peer", fam, port)] != "open":
-                wrong[("peer", fam, port)] = result[("peer", fam, port)]
-            if result[("non_peer", fam, port)] == "open":
-                wrong[("non_peer", fam, port)] = "open"
-        for port in UNLISTED:  # default deny: unlisted ports are closed to everyone on b300 (UCX over RDMA)
-            for client in ("peer", "non_peer"):
-                if result[(client, fam, port)] == "open":
-                    wrong[(client, fam, port)] = "open"
-        for client in ("peer", "non_peer"):  # SSH sources default to any address
-            if result[(client, fam, SSH)] != "open":
-                wrong[(client, fam, SSH)] = result[(client, fam, SSH)]
+    for (client, fam, port), got in result.items():
+        want_open = expected.get((client, port), False)
+        if (got == "open") != want_open:
+            wrong[(client, fam, port)] = got
     assert not wrong, f"(client, family, port) -> result where the firewall is wrong: {wrong}"
 
 
-def test_b300_client_port_open_to_its_clients_only(lab, tmp_path):
-    clients = {"pd_firewall_router_clients": [f"{NON_PEER['v4']}/32", f"{NON_PEER['v6']}/128"],
-               "pd_firewall_host_addresses": [PEER["v6"]]}
-    lab.load(_ruleset(tmp_path, "inventory/b300", "b300-03", "-e", json.dumps(clients)))
-    result = lab.matrix([ROUTER_PORT, B300_03_SIDE_CHANNEL])
-    for fam in ("v4", "v6"):
-        assert result[("non_peer", fam, ROUTER_PORT)] == "open", fam  # a configured client
-        assert result[("peer", fam, ROUTER_PORT)] == "open", fam
-        assert result[("non_peer", fam, B300_03_SIDE_CHANNEL)] != "open", fam  # still peer-only
-        assert result[("peer", fam, B300_03_SIDE_CHANNEL)] == "open", fam
+def _open(clients, ports):
+    return {(c, p): True for c in clients for p in ports}
 
 
-def test_b300_router_port_without_clients_is_peer_only(lab, tmp_path):
-    lab.load(_ruleset(tmp_path, "inventory/b300", "b300-03",
-                      "-e", json.dumps({"pd_firewall_host_addresses": [PEER["v6"]]})))
-    result = lab.matrix([ROUTER_PORT])
-    for fam in ("v4", "v6"):
-        assert result[("peer", fam, ROUTER_PORT)] == "open", fam
-        assert result[("non_peer", fam, ROUTER_PORT)] != "open", fam
+def test_b300_prefill_only_host(lab, b300_rulesets):
+    """b300-01 (prefill only): the router hosts reach vLLM HTTP, NIXL only from the decode host, metrics only
+    from the monitoring host; the router host b300-02 (a prefill host) is refused NIXL and node exporter."""
+    expected = {**_open(CLIENTS, [SSH]),  # SSH sources default to any address
+                **_open(["b300-02", "b300-03"], [PREFILL_HTTP]),
+                **_open(["b300-03"], [PREFILL_NIXL, NODE, DCGM]),
+                **_open(["b300-01", "b300-02", "b300-03"], [DP_RPC])}
+    _check(lab, b300_rulesets["b300-01"], expected)
 
 
-def test_local_ucx_tcp_range_is_open_to_peers_only(lab, tmp_path):
-    """The embedded default moves KV over UCX's TCP transport (ephemeral ports): peers reach them, others not."""
-    peers = {"pd_firewall_extra_peers": [PEER["v4"], PEER["v6"]]}
-    lab.load(_ruleset(tmp_path, "inventory/local", "pd-prefill-0", "-e", json.dumps(peers)))
-    result = lab.matrix([47000, 29500])
-    for fam in ("v4", "v6"):
-        assert result[("peer", fam, 47000)] == "open", fam  # in 32768-60999
-        assert result[("non_peer", fam, 47000)] != "open", fam
-        assert result[("peer", fam, 29500)] != "open", fam  # below the ephemeral range, not listed
+def test_b300_router_monitoring_decode_host(lab, b300_rulesets):
+    """b300-03 (decode, router, monitoring): from the prefill-only host the router admin API, node exporter,
+    Prometheus, the front door and vLLM HTTP are refused (only the NIXL side channel of the decode instance, and DP
+    RPC, are open to it); the other router host reaches the router API, front door and vLLM HTTP, not Prometheus."""
+    expected = {**_open(CLIENTS, [SSH]),
+                **_open(["b300-01", "b300-02"], [DECODE_NIXL]),
+                **_open(["b300-01", "b300-02", "b300-03"], [DP_RPC]),
+                **_open(["b300-02", "b300-03"], [ROUTER_API, FRONTDOOR, DECODE_HTTP]),
+                **_open(["b300-03"], [ROUTER_METRICS, MTAIL, PROMETHEUS, NODE, DCGM])}
+    _check(lab, b300_rulesets["b300-03"], expected)
+
+
+def test_b300_monitoring_host_reaches_the_metrics_of_a_router_host(lab, b300_rulesets):
+    """b300-02 (prefill and router host): the monitoring host scrapes vLLM /metrics, router metrics, mtail, node
+    and DCGM exporters; the prefill-only host reaches none of the router's ports."""
+    expected = {**_open(CLIENTS, [SSH]),
+                **_open(["b300-02", "b300-03"], [PREFILL_HTTP, ROUTER_API, FRONTDOOR]),
+                **_open(["b300-03"], [PREFILL_NIXL, ROUTER_METRICS, MTAIL, NODE, DCGM]),
+                **_open(["b300-01", "b300-02", "b300-03"], [DP_RPC])}
+    _check(lab, b300_rulesets["b300-02"], expected)
+
+
+def test_b300_ipv6_clients_and_extra_peers(lab, tmp_path):
+    """IPv6: a front-door client (pd_firewall_router_clients) reaches the front door only; an extra peer
+    (pd_firewall_extra_peers, e.g. the control node) every service port; the cluster's IPv4-only hosts nothing."""
+    extra = {"pd_firewall_router_clients": [f"{CLIENTS['outsider']['v6']}/128"],
+             "pd_firewall_extra_peers": [CLIENTS["b300-01"]["v6"]]}
+    render(tmp_path, "inventory/b300", "-e", json.dumps(extra))
+    services = [FRONTDOOR, ROUTER_API, ROUTER_METRICS, MTAIL, PROMETHEUS, NODE, DCGM, DECODE_HTTP, DECODE_NIXL,
+                DP_RPC]
+    expected = {**_open(CLIENTS, [SSH]), **_open(["outsider"], [FRONTDOOR]), **_open(["b300-01"], services)}
+    _check(lab, tmp_path / "b300-03.nft", expected, families=("v6",))
+
+
+def test_local_ucx_tcp_range_is_open_to_vllm_hosts_only(lab, tmp_path):
+    """The embedded default moves KV over UCX's TCP transport (ephemeral ports): the vLLM hosts (here an extra
+    peer standing in for one) reach them, others not."""
+    render(tmp_path, "inventory/local", "-e", json.dumps({"pd_firewall_extra_peers": [CLIENTS["b300-02"]["v4"]]}))
+    lab.load(tmp_path / "pd-prefill-0.nft")
+    result = lab.matrix([47000, 29500], clients=("b300-02", "outsider"))
+    assert result[("b300-02", "v4", 47000)] == "open"  # in 32768-60999
+    assert result[("outsider", "v4", 47000)] != "open"
+    assert result[("b300-02", "v4", 29500)] != "open"  # below the ephemeral range, not listed
+
+
+def test_ssh_only_fallback_keeps_ssh_open_and_denies_the_rest(lab, tmp_path):
+    """A failed first install is rolled back to the SSH-only default-deny table, never to no table."""
+    render(tmp_path, "inventory/b300")
+    lab.load(tmp_path / "b300-03.ssh-only")
+    _check(lab, tmp_path / "b300-03.ssh-only", _open(CLIENTS, [SSH]))
+
+
+LIVE_PLAY = """
+- name: Run pd_firewall's load decision against this namespace's tables
+  hosts: localhost
+  connection: local
+  gather_facts: false
+  tasks:
+    - name: Compare the loaded table with the file
+      ansible.builtin.include_role:
+        name: b300.pd.pd_firewall
+        tasks_from: live.yml
+    - name: Write the decision
+      ansible.builtin.copy:
+        content: "{{ {'needs_load': _pd_firewall_needs_load | bool, 'present': _pd_firewall_live_present | bool,
+                      'live': _pd_firewall_live_digest} | to_json }}"
+        dest: "{{ out }}"
+        mode: "0644"
+"""
+
+
+def _digest(path):
+    return re.search(r'comment "pd_firewall sha256:([0-9a-f]{64})"', path.read_text()).group(1)
+
+
+def test_load_is_keyed_on_the_live_table(tmp_path):
+    """tasks/live.yml decides from the loaded table, whatever the last run wrote: no table -> load; the file
+    loaded -> nothing to do; a new file written but not loaded (a run interrupted between write and load, so the
+    next run sees the file unchanged) -> load; a table without a digest (an older role) -> load."""
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    render(tmp_path / "old", "inventory/b300", "-l", "b300-01")
+    render(tmp_path / "new", "inventory/b300", "-l", "b300-01",
+           "-e", json.dumps({"pd_firewall_extra_peers": ["203.0.113.9"]}))
+    old, new = tmp_path / "old" / "b300-01.nft", tmp_path / "new" / "b300-01.nft"
+    play = tmp_path / "live.yml"
+    play.write_text(LIVE_PLAY)
+    ns = f"pdfw{os.getpid()}live"
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"))
+
+    def decide(digest):
+        out = tmp_path / "decision.json"
+        proc = _run("ip", "netns", "exec", ns, str(ROOT / ".venv/bin/ansible-playbook"), "-i", "localhost,",
+                    str(play), "-e", json.dumps({"_pd_firewall_digest": digest, "out": str(out)}),
+                    check=False, cwd=ROOT, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        return json.loads(out.read_text())
+
+    _run("ip", "netns", "add", ns)
+    try:
+        assert decide(_digest(old)) == {"needs_load": True, "present": False, "live": ""}
+        _run("ip", "netns", "exec", ns, "nft", "-f", str(old))
+        assert decide(_digest(old)) == {"needs_load": False, "present": True, "live": _digest(old)}
+        # the new file is on disk (its write was the change), the load never happened: still loaded next run
+        assert decide(_digest(new)) == {"needs_load": True, "present": True, "live": _digest(old)}
+        _run("ip", "netns", "exec", ns, "nft", "-f", str(new))
+        assert decide(_digest(new))["needs_load"] is False
+        # a table from before the digest (or edited by hand): loaded again
+        legacy = tmp_path / "legacy.nft"
+        legacy.write_text(new.read_text().replace(f' comment "pd_firewall sha256:{_digest(new)}"', ""))
+        _run("ip", "netns", "exec", ns, "nft", "-f", str(legacy))
+        assert decide(_digest(new)) == {"needs_load": True, "present": True, "live": ""}
+    finally:
+        _run("ip", "netns", "del", ns, check=False)
+
+
+def _rollback_script(**variables):
+    """The rollback timer's shell script as rules.yml's "Arm the rollback timer" task renders it."""
+    tasks = yaml.safe_load((ROOT / "roles/pd_firewall/tasks/rules.yml").read_text())
+    block = next(t for t in tasks if t.get("name") == "Load the ruleset with a timed rollback")["block"]
+    arm = next(t for t in block if t.get("name") == "Arm the rollback timer")
+    restore = Templar(loader=DataLoader(), variables=variables).template(
+        trust_as_template(arm["vars"]["_pd_firewall_restore"]))
+    return Templar(loader=DataLoader(), variables={**variables, "_pd_firewall_restore": restore}).template(
+        trust_as_template(arm["ansible.builtin.command"]["argv"][-1]))
+
+
+@pytest.mark.parametrize("first_install", [True, False])
+def test_rollback_restores_the_loaded_table_or_the_ssh_only_one(tmp_path, first_install):
+    """The rollback timer's script, run in a namespace after the new ruleset was loaded: on a first install the
+    SSH-only default-deny table is loaded (never no table) and becomes the file, the new one kept as .rejected;
+    otherwise the table loaded before (saved from the live table as rules.yml does) comes back, file and table."""
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    render(tmp_path / "old", "inventory/b300", "-l", "b300-01")
+    render(tmp_path / "new", "inventory/b300", "-l", "b300-01",
+           "-e", json.dumps({"pd_firewall_extra_peers": ["203.0.113.9"]}))
+    old, new = tmp_path / "old" / "b300-01.nft", tmp_path / "new" / "b300-01.nft"
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    rules, previous, fallback = etc / "pd-firewall.nft", etc / "pd-firewall.nft.previous", etc / "ssh-only.nft"
+    fallback.write_text((tmp_path / "new" / "b300-01.ssh-only").read_text())
+    ns = f"pdfw{os.getpid()}rb"
+    _run("ip", "netns", "add", ns)
+    try:
+        if not first_install:
+            _run("ip", "netns", "exec", ns, "nft", "-f", str(old))
+            listed = _run("ip", "netns", "exec", ns, "nft", "list", "table", "inet", "pd_firewall").stdout
+            previous.write_text(f"table inet pd_firewall {{}}\ndelete table inet pd_firewall\n{listed}\n")
+        rules.write_text(new.read_text())
+        _run("ip", "netns", "exec", ns, "nft", "-f", str(rules))  # the load the controller never confirmed
+        script = _rollback_script(pd_firewall_rules_path=str(rules), _pd_firewall_live_present=not first_install,
+                                  _pd_firewall_previous_path=str(previous), _pd_firewall_fallback_path=str(fallback))
+        _run("ip", "netns", "exec", ns, "/bin/sh", "-c", script)
+        live = _run("ip", "netns", "exec", ns, "nft", "list", "table", "inet", "pd_firewall").stdout
+        if first_install:
+            assert 'comment "pd_firewall ssh-only fallback"' in live and "policy drop;" in live
+            assert "ssh from anywhere (fallback)" in live
+            assert rules.read_text() == fallback.read_text()
+            assert Path(f"{rules}.rejected").read_text() == new.read_text()
+        else:
+            assert f"pd_firewall sha256:{_digest(old)}" in live and "203.0.113.9" not in live
+            assert rules.read_text() == previous.read_text()
+    finally:
+        _run("ip", "netns", "del", ns, check=False)

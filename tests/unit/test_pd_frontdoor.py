@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -161,24 +162,29 @@ class _Upstream:
         self.server.server_close()
 
 
-def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
+def _context(tmp: Path, port: int, backends: list[dict], **extra) -> dict:
+    """The role's template variables: its plain defaults, then this test's paths, port and routers."""
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    admission = extra.pop("admission", {})
+    return {**{k: v for k, v in defaults.items() if not isinstance(v, str) or "{{" not in v},
+            "ansible_managed": "test", "pd_frontdoor_port": port, "pd_frontdoor_bind_host": "127.0.0.1",
+            "pd_frontdoor_listen_ipv6": False, "pd_frontdoor_request_timeout_s": 30,
+            "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
+            "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY, KEY2], "pd_frontdoor_model": "tiny-pd",
+            "_pd_frontdoor_admission": pdf.pd_frontdoor_admission(
+                admission.get("max_inflight", 0), admission.get("max_rate", 0), admission.get("share", 0.5),
+                admission.get("reserve", 0.5), admission.get("body", ""), admission.get("max_model_len", 4096)),
+            "pd_frontdoor_gate_port": _free_port(), "_pd_frontdoor_tls": {},
+            **extra}
+
+
+def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
     # nginx config, not HTML: nothing to escape (Ansible renders it the same way).
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROLE / "templates")), keep_trailing_newline=True,  # noqa: S701
                              undefined=jinja2.StrictUndefined)
     env.filters["bool"] = lambda v: str(v).lower() in ("1", "true", "yes")
     env.filters["b300.pd.pd_frontdoor_key_map"] = pdf.pd_frontdoor_key_map
-    admission = extra.pop("admission", {})
-    ctx = {**{k: v for k, v in defaults.items() if not isinstance(v, str) or "{{" not in v},
-           "ansible_managed": "test", "pd_frontdoor_port": port, "pd_frontdoor_bind_host": "127.0.0.1",
-           "pd_frontdoor_listen_ipv6": False, "pd_frontdoor_request_timeout_s": 30,
-           "pd_frontdoor_config_dir": str(tmp), "pd_frontdoor_access_log": str(tmp / "access.log"),
-           "_pd_frontdoor_backends": backends, "pd_frontdoor_api_keys": [KEY, KEY2], "pd_frontdoor_model": "tiny-pd",
-           "_pd_frontdoor_admission": pdf.pd_frontdoor_admission(
-               admission.get("max_inflight", 0), admission.get("max_rate", 0), admission.get("share", 0.5),
-               admission.get("reserve", 0.5), admission.get("body", ""), admission.get("max_model_len", 4096)),
-           "pd_frontdoor_gate_port": _free_port(),
-           **extra}
+    ctx = _context(tmp, port, backends, **extra)
     (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
     (tmp / "api-keys.map").write_text(env.get_template("api-keys.map.j2").render(**ctx))
     for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
@@ -361,7 +367,7 @@ def test_tls_when_a_certificate_is_given(tmp_path):
     up = _Upstream("pd", "200")
     port = _free_port()
     _render(tmp_path, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
-            pd_frontdoor_tls_certificate=str(cert), pd_frontdoor_tls_certificate_key=str(key))
+            _pd_frontdoor_tls={"certificate": str(cert), "key": str(key), "bundle": False})
     assert f"listen 127.0.0.1:{port} ssl;" in (tmp_path / "pd-frontdoor.conf").read_text()
     import ssl
 
@@ -384,9 +390,11 @@ def test_tls_when_a_certificate_is_given(tmp_path):
 def test_connection_limit_tasks_edit_debians_nginx_conf_and_nginx_accepts_it(tmp_path):
     # 2026-12-06 on the local stack: Debian's `worker_connections 768` made nginx answer 500 to 240 of 1245 requests
     # ("worker_connections are not enough") once ~380 were in flight. The role's two lineinfile tasks, as written in
-    # tasks/main.yml, run by ansible-playbook against a copy of this machine's Debian nginx.conf.
-    tasks = yaml.safe_load((ROLE / "tasks" / "main.yml").read_text())
-    edits = [t for t in tasks if t.get("ansible.builtin.lineinfile", {}).get("path") == "/etc/nginx/nginx.conf"]
+    # tasks/nginx_config.yml (on the staged nginx.conf), run by ansible-playbook against a copy of this machine's
+    # Debian nginx.conf.
+    tasks = yaml.safe_load((ROLE / "tasks" / "nginx_config.yml").read_text())
+    edits = [t for t in tasks if t.get("ansible.builtin.lineinfile", {}).get("path")
+             == "{{ pd_frontdoor_config_dir }}/staged/nginx.conf"]
     assert len(edits) == 2
     conf = tmp_path / "nginx.conf"
     conf.write_text(Path("/etc/nginx/nginx.conf").read_text())
@@ -611,3 +619,248 @@ def test_a_second_pass_over_the_routers_finds_a_live_prefill(tmp_path):
     finally:
         for u in ups.values():
             u.close()
+
+
+# --- nginx's config staged, checked and swapped (issue #32) --------------------------------------------------------
+
+def _strip_notify(tasks: list) -> list:
+    """The role's tasks without their handler notifications (no systemd here), template sources made absolute."""
+    for t in tasks:
+        t.pop("notify", None)
+        if "ansible.builtin.template" in t:
+            t["ansible.builtin.template"]["src"] = str(ROLE / "templates" / t["ansible.builtin.template"]["src"])
+        for part in ("block", "rescue", "always"):
+            _strip_notify(t.get(part) or [])
+    return tasks
+
+
+def _run_staging(tmp: Path, variables: dict, path: str = "") -> subprocess.CompletedProcess:
+    """tasks/nginx_config.yml, as the role has it, run by ansible-playbook with `variables` (extra vars)."""
+    return _run_tasks(tmp, yaml.safe_load((ROLE / "tasks" / "nginx_config.yml").read_text()), variables, path=path)
+
+
+@needs_nginx
+def test_a_bad_nginx_config_is_never_swapped_in_and_the_previous_one_is_kept(tmp_path):
+    up = _Upstream("pd", "200")
+    port = _free_port()
+    fd, live = tmp_path / "fd", tmp_path / "nginx"
+    for d in (fd, live / "conf.d", *(tmp_path / t for t in ("body", "proxy", "fastcgi", "uwsgi", "scgi"))):
+        d.mkdir(parents=True)
+    variables = _context(fd, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
+                         pd_frontdoor_nginx_dir=str(live), pd_frontdoor_worker_connections=512)
+    variables.pop("ansible_managed")
+    (fd / "api-keys.map").write_text("".join(f'"{e["pattern"]}" {e["label"]};\n'
+                                             for e in pdf.pd_frontdoor_key_map([KEY, KEY2])))
+    # A Debian-shaped nginx.conf: the server block goes into conf.d through its glob include.
+    (live / "nginx.conf").write_text(f"""daemon on;
+pid {tmp_path}/nginx.pid;
+error_log {tmp_path}/error.log;
+events {{
+\tworker_connections 64;
+}}
+http {{
+\tclient_body_temp_path {tmp_path}/body; proxy_temp_path {tmp_path}/proxy; fastcgi_temp_path {tmp_path}/fastcgi;
+\tuwsgi_temp_path {tmp_path}/uwsgi; scgi_temp_path {tmp_path}/scgi;
+\tinclude {live}/conf.d/*.conf;
+}}
+""")
+    server_block = live / "conf.d" / "pd-frontdoor.conf"
+    main = live / "nginx.conf"
+
+    def run(path="", **changes):
+        p = _run_staging(tmp_path, {**variables, **changes}, path)
+        return p.returncode, p.stdout
+
+    try:
+        rc, out = run()
+        assert rc == 0, out[-3000:]
+        first = server_block.read_text()
+        assert f"server 127.0.0.1:{up.port}" in first and "\tworker_connections 512;" in main.read_text()
+        assert not (fd / "previous" / "pd-frontdoor.conf").exists()  # a first install has nothing to keep
+        rc, out = run()
+        assert rc == 0 and "changed=0" in out, out[-3000:]  # idempotent: nothing staged, nothing swapped
+        # A good change: swapped in, the live file of before kept as the previous one.
+        rc, out = run(pd_frontdoor_tries=3)
+        assert rc == 0, out[-3000:]
+        second = server_block.read_text()
+        assert "proxy_next_upstream_tries 3;" in second
+        assert (fd / "previous" / "pd-frontdoor.conf").read_text() == first
+        main_before = main.read_text()
+        subprocess.run([NGINX, "-c", str(main)], check=True)
+        try:
+            # A render nginx refuses: the run fails naming nginx -t, and the live files stay as they were.
+            rc, out = run(pd_frontdoor_body_buffer_size="1x", pd_frontdoor_worker_connections=1024)
+            assert rc != 0 and "nginx -t refused the staged config" in out and "The live config is unchanged" in out, \
+                out[-3000:]
+            assert "client_body_buffer_size 1x;" in (fd / "staged" / "pd-frontdoor.conf").read_text()
+            assert server_block.read_text() == second and main.read_text() == main_before
+            assert (fd / "previous" / "pd-frontdoor.conf").read_text() == first
+            # The next start or reload reads the good config: the running nginx reloads and serves.
+            subprocess.run([NGINX, "-c", str(main), "-s", "reload"], check=True)
+            time.sleep(0.5)
+            status, body = _req(f"http://127.0.0.1:{port}/v1/completions", key=KEY)
+            assert status == 200 and json.loads(body)["served_by"] == "pd"
+        finally:
+            subprocess.run([NGINX, "-c", str(main), "-s", "stop"], check=False)
+        # The previous config can be put back and nginx accepts it.
+        server_block.write_text((fd / "previous" / "pd-frontdoor.conf").read_text())
+        check = subprocess.run([NGINX, "-t", "-q", "-c", str(main)], capture_output=True, text=True, check=False)
+        assert check.returncode == 0, check.stderr
+        # Fixed inventory: the next run stages, checks and swaps it.
+        rc, out = run()
+        assert rc == 0, out[-3000:]
+        assert server_block.read_text() == first and (fd / "previous" / "pd-frontdoor.conf").read_text() == first
+        # The swapped config fails the whole-config check (here an nginx that refuses the live nginx.conf): the
+        # previous files are put back and the run fails saying so.
+        wrapper = tmp_path / "bin" / "nginx"
+        wrapper.parent.mkdir()
+        wrapper.write_text(f'#!/bin/sh\n[ "$4" = "{main}" ] && {{ echo "simulated: live config refused" >&2; exit 1; }}'
+                           f'\nexec {NGINX} "$@"\n')
+        wrapper.chmod(0o755)
+        rc, out = run(path=f"{wrapper.parent}:", pd_frontdoor_tries=4)
+        assert rc != 0 and "the previous one is back in place" in out and "simulated" in out, out[-3000:]
+        assert server_block.read_text() == first and main.read_text() == main_before
+        assert "proxy_next_upstream_tries 4;" in (fd / "staged" / "pd-frontdoor.conf").read_text()
+        # A first install whose swapped file fails: the file goes (no previous one), nginx keeps its own config.
+        server_block.unlink()
+        rc, out = run(path=f"{wrapper.parent}:")
+        assert rc != 0 and "the previous one is back in place" in out, out[-3000:]
+        assert not server_block.exists()
+    finally:
+        up.close()
+
+
+# --- TLS by default: the bundle's CA, the refusal of plain HTTP (issue #32) ----------------------------------------
+
+def _run_tasks(tmp: Path, tasks: list, variables: dict, name: str = "pb",
+               path: str = "") -> subprocess.CompletedProcess:
+    """Tasks of the role (handlers' notifications dropped, template sources absolute) run by ansible-playbook on
+    localhost with `variables` as extra vars (`path`: directories searched first for commands)."""
+    play = [{"name": name, "hosts": "localhost", "gather_facts": False, "tasks": _strip_notify(tasks)}]
+    (tmp / f"{name}.yml").write_text(yaml.safe_dump(play))
+    (tmp / f"{name}.json").write_text(json.dumps(variables))
+    env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_FACT_CACHING": "memory",
+           "PATH": path + str(ROOT / ".venv" / "bin") + ":/usr/sbin:/usr/bin:/bin"}
+    return subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", f"@{tmp / (name + '.json')}", str(tmp / f"{name}.yml")],
+                          capture_output=True, text=True, env=env, cwd=ROOT, check=False, timeout=300)
+
+
+@needs_nginx
+def test_tls_by_default_with_the_bundles_ca(tmp_path):
+    """No certificate given: tasks/tls.yml makes a CA on the control node and a certificate for the host (SAN: its
+    address and name); the rendered front door answers HTTPS that a client trusting only that CA verifies."""
+    ca_dir = tmp_path / "control" / ".cache" / "tls"
+    fd = tmp_path / "fd"
+    fd.mkdir()
+    tasks = yaml.safe_load((ROLE / "tasks" / "tls.yml").read_text())
+    variables = {"_pd_frontdoor_tls_ca_dir": str(ca_dir), "ansible_host": "127.0.0.1",
+                 "pd_frontdoor_config_dir": str(fd),
+                 "pd_frontdoor_tls_days": 30, "pd_frontdoor_tls_renew_days": 7, "pd_frontdoor_tls_ca_days": 60,
+                 "_pd_frontdoor_tls": {"certificate": str(fd / "tls" / "server.crt"),
+                                       "key": str(fd / "tls" / "server.key"), "bundle": True}}
+    p = _run_tasks(tmp_path, tasks, variables)
+    assert p.returncode == 0, p.stdout[-3000:]
+    for path, mode in ((ca_dir, 0o700), (ca_dir / "ca.key", 0o600), (ca_dir / "hosts" / "localhost.key", 0o600),
+                       (fd / "tls", 0o700), (fd / "tls" / "server.key", 0o600)):
+        assert path.stat().st_mode & 0o777 == mode, path
+    text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(fd / "tls" / "server.crt")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "IP Address:127.0.0.1" in text and "DNS:localhost" in text and "CA:FALSE" in text
+    assert "BEGIN" not in p.stdout  # no key or certificate in the play's output
+    # A second run makes nothing again (the certificate is valid for longer than the renewal margin).
+    p = _run_tasks(tmp_path, tasks, variables)
+    assert p.returncode == 0 and "changed=0" in p.stdout, p.stdout[-3000:]
+    # Near its end (renewal margin above its validity): made again, still signed by the same CA.
+    before = (fd / "tls" / "server.crt").read_text()
+    p = _run_tasks(tmp_path, tasks, {**variables, "pd_frontdoor_tls_renew_days": 45})
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert (fd / "tls" / "server.crt").read_text() != before
+
+    import ssl
+
+    up = _Upstream("pd", "200")
+    port = _free_port()
+    try:
+        _render(fd, port, [{"name": "r/vllm-router", "address": f"127.0.0.1:{up.port}", "mode": "pd"}],
+                _pd_frontdoor_tls=variables["_pd_frontdoor_tls"])
+        conf = (fd / "pd-frontdoor.conf").read_text()
+        assert f"listen 127.0.0.1:{port} ssl;" in conf and f"ssl_certificate {fd}/tls/server.crt;" in conf
+        ctx = ssl.create_default_context(cafile=str(ca_dir / "ca.crt"))
+        with _nginx(fd, port):
+            req = urllib.request.Request(f"https://127.0.0.1:{port}/v1/completions", data=b"{}", method="POST",
+                                         headers={"Authorization": f"Bearer {KEY}"})
+            with urllib.request.urlopen(req, timeout=20, context=ctx) as r:
+                assert r.status == 200 and json.loads(r.read())["served_by"] == "pd"
+            # A client that does not trust the bundle's CA is refused by its own TLS check.
+            with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+                urllib.request.urlopen(req, timeout=20, context=ssl.create_default_context())
+            # roles/pd_verify's script (urllib's default context) trusts the CA it gets as SSL_CERT_FILE (run.yml).
+            probe = ("import sys; sys.path.insert(0, sys.argv[1]); import pd_verify; "
+                     "print(pd_verify.http_get(sys.argv[2], api_key=sys.argv[3])[0])")
+            url = f"https://127.0.0.1:{port}/v1/models"
+            cases = (({"SSL_CERT_FILE": str(ca_dir / "ca.crt")}, "200"), ({}, "CERTIFICATE_VERIFY_FAILED"))
+            for env, expected in cases:
+                out = subprocess.run(["/usr/bin/python3", "-c", probe, str(ROOT / "roles" / "pd_verify" / "files"), url,
+                                      KEY], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **env},
+                                     check=False, timeout=60)
+                assert expected in out.stdout + out.stderr, out
+    finally:
+        up.close()
+
+
+@pytest.mark.parametrize("url, allow, ok", [
+    ("https://192.0.2.13:8000", False, True), ("http://127.0.0.1:8000", False, True),
+    ("http://[::1]:8000", False, True), ("http://localhost:8000", False, True),
+    ("http://192.0.2.13:8000", False, False), ("http://frontdoor.example:8000", False, False),
+    ("http://10.237.0.13:8000", True, True), ("http://10.237.0.13:8000", "true", True),
+    ("ftp://192.0.2.13", True, False), ("", False, False),
+])
+def test_a_client_key_never_goes_over_plain_http_to_another_host(url, allow, ok):
+    if ok:
+        assert pdf.pd_frontdoor_key_transport(url, allow, "pd_verify_router_url") == url
+    else:
+        with pytest.raises(ERR, match=r"pd_verify_router_url is .*(clear text|give the front door's URL)"):
+            pdf.pd_frontdoor_key_transport(url, allow, "pd_verify_router_url")
+
+
+def test_tls_names_and_upstreams_are_checked_where_they_are_written():
+    assert pdf.pd_frontdoor_tls_sans("b300-03", "192.0.2.13") == "IP:192.0.2.13,DNS:b300-03,IP:127.0.0.1"
+    assert pdf.pd_frontdoor_tls_sans("gpu_node_1", "fd.example") == "DNS:fd.example,IP:127.0.0.1"
+    for bad in ("1.2.3.4\nsubjectAltName = DNS:evil", "1.2.3.4, DNS:evil", "1.2.3.4:80 ; server 6.6.6.6"):
+        with pytest.raises(ERR, match="router host r1, field ansible_host"):
+            pdf.pd_frontdoor_tls_sans("r1", bad)
+    # Another router host's address becomes an nginx upstream line: the issue's case is refused, naming the field.
+    cluster = _cluster("r1", "r2")
+    cluster["routers"][1]["address"] = "1.2.3.4:80 ; server 6.6.6.6"
+    with pytest.raises(ERR, match="router host r2, field ansible_host.*neither an IP address nor a DNS name"):
+        pdf.pd_frontdoor_backends(cluster, "r1", "0.0.0.0")  # noqa: S104 - compared, not bound
+    cluster["routers"][1]["address"] = "fd00::2"
+    assert [b["address"] for b in pdf.pd_frontdoor_backends(cluster, "r1", "0.0.0.0")][:2] == [  # noqa: S104
+        "127.0.0.1:8001", "[fd00::2]:8001"]
+
+
+@pytest.mark.parametrize("changes, refused", [
+    ({}, "a client key would go over plain HTTP to 192.0.2.13 .*pd_frontdoor_allow_plain_http: true"),
+    ({"pd_frontdoor_allow_plain_http": True}, None),
+    ({"_url": "https://192.0.2.13:8000"}, None),
+    ({"_url": "https://192.0.2.13:8000", "pd_frontdoor_requires_units": ["pd-firewall.service\nExecStartPre=/x"]},
+     "pd_frontdoor_requires_units is"),
+])
+def test_validate_refuses_client_keys_over_plain_http(tmp_path, changes, refused):
+    """The role's validate entry point (playbooks/validate.yml runs it for every router host): the front door's URL
+    in the cluster view is plain http to a non-loopback address -> refused with the fix, unless the inventory says
+    it is a test network."""
+    url = changes.pop("_url", "http://192.0.2.13:8000")
+    variables = {"pd_frontdoor_api_keys": [KEY], "pd_served_model_name": "tiny-pd", "pd_frontdoor_tls_enabled": False,
+                 "pd_cluster": {"routers": [{"host": "localhost", "address": "192.0.2.13", "url": url,
+                                             "units": _units((8001, "pd"))}]},
+                 **changes}
+    tasks = [{"name": "Validate", "ansible.builtin.include_role": {"name": "b300.pd.pd_frontdoor",
+                                                                   "tasks_from": "validate"}}]
+    p = _run_tasks(tmp_path, tasks, variables)
+    if refused:
+        assert p.returncode != 0 and re.search(refused, p.stdout), p.stdout[-3000:]
+        assert KEY not in p.stdout
+    else:
+        assert p.returncode == 0, p.stdout[-3000:]

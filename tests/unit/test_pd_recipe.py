@@ -282,13 +282,85 @@ def test_systemd_accepts_rendered_units(tmp_path, inventory):
     for hv in inv["hosts"].values():
         for inst in hv["pd_instances"]:
             text = pd_unit.render_unit(inv["recipe"], inst, str(venv_bin / "python"), "root", env_dir=str(tmp_path),
-                                       vllm_package=package)
+                                       vllm_package=package, api_key_file=r.api_key_env_path(str(tmp_path)),
+                                       requires_units=["systemd-journald.service"])
             (tmp_path / f"{inst['name']}.env").write_text(r.render_env_file(
                 r.build_env(inv["recipe"], inst, hv["ansible_host"]), inst))
             path = tmp_path / r.unit_name(inst)
             path.write_text(text)
             units.append(str(path))
+    (tmp_path / r.API_KEY_ENV_FILE).write_text(r.render_api_key_env_file("0123abcd" * 8))
     proc = subprocess.run([exe, "verify", *units], capture_output=True, text=True, timeout=120, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "ignoring" not in out.lower() and "unbalanced" not in out.lower(), out
+
+
+# ---- the workers' API key (issue 32) --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["api-key", "api_key", "api-ke", "api-k", "api_k"])
+@pytest.mark.parametrize("field", ["pd_vllm_flags_common", "pd_vllm_flags_pool.prefill", "extra_flags"])
+def test_api_key_in_any_flags_map_is_refused_with_the_fix(flag, field):
+    problems = r.check_flag_dict({flag: "s3cr3t-value"}, field, "instance prefill-a")
+    assert len(problems) == 1, problems
+    assert field in problems[0] and "pd_router_api_key" in problems[0] and "s3cr3t-value" not in problems[0]
+
+
+def test_api_key_refusal_reaches_build_flags(recipe, inst):
+    inst["extra_flags"] = {"api-key": "s3cr3t-value"}
+    with pytest.raises(r.RecipeError, match="instance prefill-a, field extra_flags: flag 'api-key'.*pd_router_api_key"):
+        r.build_argv(recipe, inst)
+
+
+def test_other_api_flags_are_not_taken_for_the_key():
+    assert r.check_flag_dict({"api-server-count": 2}, "extra_flags", "instance x") == []
+
+
+@pytest.mark.parametrize("field", ["pd_vllm_env", "pd_ucx_env", "extra_env"])
+def test_vllm_api_key_in_an_env_map_is_refused(field):
+    problems = r.check_env_dict({"VLLM_API_KEY": "s3cr3t-value"}, field, "instance prefill-a")
+    assert len(problems) == 1 and field in problems[0] and "pd_router_api_key" in problems[0], problems
+    assert "s3cr3t-value" not in problems[0]
+
+
+def test_api_key_file_and_digest():
+    key = "0123abcd" * 8
+    text = r.render_api_key_env_file(key)
+    assert f'VLLM_API_KEY="{key}"' in text.splitlines()
+    digest = r.api_key_digest(key)
+    assert len(digest) == 16 and digest not in key and digest == r.api_key_digest(key)
+    assert r.api_key_digest(key + "x") != digest
+    for bad in ("", "a b", "a\nb", 5):
+        with pytest.raises(r.RecipeError, match="pd_router_api_key"):
+            r.check_api_key(bad)
+
+
+def test_unit_loads_the_key_file_and_requires_the_firewall(recipe, inst):
+    unit = pd_unit.render_unit(recipe, inst, PY, "vllm", api_key_file="/etc/vllm/api-key.env",
+                               requires_units=["pd-firewall.service"])
+    lines = unit.splitlines()
+    assert lines.index("EnvironmentFile=/etc/vllm/prefill-a.env") + 1 == lines.index(
+        "EnvironmentFile=/etc/vllm/api-key.env")
+    unit_section = lines[:lines.index("[Service]")]
+    assert "Requires=pd-firewall.service" in unit_section and "After=pd-firewall.service" in unit_section
+    plain = pd_unit.render_unit(recipe, inst, PY, "vllm")
+    assert "api-key.env" not in plain and "Requires=" not in plain
+    with pytest.raises(ValueError, match=r"requires_units\[0\]"):
+        pd_unit.render_unit(recipe, inst, PY, "vllm", requires_units=["x.service\nExecStartPre=/bin/sh"])
+
+
+# ---- every inventory string checked where it is written (issue 32, item 4) ------------------------------------
+
+@pytest.mark.parametrize("value", ["/srv/x /etc", "/srv/x\t/etc", "/srv/'x'", "/srv/../etc", "/srv/x;/etc"])
+def test_a_writable_cache_path_that_would_split_the_path_list_is_refused(recipe, inst, value):
+    inst["extra_env"] = {"TMPDIR": value}
+    with pytest.raises(ValueError, match="instance prefill-a, field extra_env.TMPDIR"):
+        pd_unit.unit_writable_paths(recipe, inst)
+    with pytest.raises(ValueError, match="extra_env.TMPDIR"):
+        pd_unit.render_unit(recipe, inst, PY, "vllm")
+
+
+def test_served_model_name_with_a_control_character_is_refused(recipe, inst):
+    recipe["pd_served_model_name"] = "m\nExecStartPre=/bin/sh"
+    with pytest.raises(r.RecipeError, match="instance prefill-a, field pd_served_model_name.*U\\+000A"):
+        r.build_flags(recipe, inst)

@@ -363,8 +363,8 @@ VERIFY_PLAYBOOK = """
 def verify_inventory(tmp_path, p_inst, d_inst):
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     inv = {"all": {"vars": {"pd_served_model_name": "m", "pd_verify_workdir": str(tmp_path / "work"),
-                            "pd_verify_api_key": "sk-verify", "pd_sla": {"context_min_tokens": 16,
-                                                                         "context_max_tokens": 128},
+                            "pd_verify_api_key": "sk-verify", "pd_router_api_key": "wk-verify",
+                            "pd_sla": {"context_min_tokens": 16, "context_max_tokens": 128},
                             "pd_verify_max_model_len": 4096, "pd_verify_ready_retries": 1,
                             "pd_verify_ready_delay_s": 1, "pd_warmup_features": ["completion", "logprobs",
                                                                                  "prompt_logprobs", "tools"],
@@ -393,7 +393,7 @@ def test_pd_verify_warms_every_instance_and_hands_the_results_to_the_script(tmp_
     d_inst.refuse = ("prompt_logprobs",)
     verify_inventory(tmp_path, p_inst, d_inst)
     p = run_verify_warmup(tmp_path)
-    assert "sk-verify" not in p.stdout
+    assert "sk-verify" not in p.stdout and "wk-verify" not in p.stdout
     cfg = json.loads((tmp_path / "cfg.json").read_text())
     assert cfg["warmup"]["output_tokens"] == 4  # the rest of the config kept
     pre, dec = cfg["warmup"]["instances"]
@@ -402,11 +402,12 @@ def test_pd_verify_warms_every_instance_and_hands_the_results_to_the_script(tmp_
     served = [f for f, v in pre["features"].items() if v["status"] == 200]
     assert served == ["completion", "logprobs", "prompt_logprobs", "tools"]
     assert len(p_inst.posts()) == 2 * (2 + 2 + 1 + 1)
-    assert {auth for _p, _r, auth in p_inst.log} == {"Bearer sk-verify"}
+    # the workers' key (pd_router_api_key), which the instances require; never the front door's client key
+    assert {auth for _p, _r, auth in p_inst.log} == {"Bearer wk-verify"}
     # decode-0: no tool parser (skipped), and its refusal of prompt_logprobs is its error for the report
     assert not dec["ok"] and "the warm-up of feature 'prompt_logprobs' failed" in dec["error"]
     assert dec["features"]["tools"]["status"] == "skipped" and "--tool-call-parser" in dec["skipped"]["tools"]
-    assert oct((tmp_path / "work" / "api-key").stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "work" / "worker-api-key").stat().st_mode & 0o777) == "0o600"
 
 
 def test_pd_verify_warmup_in_check_mode_sends_nothing(tmp_path):
@@ -414,4 +415,65 @@ def test_pd_verify_warmup_in_check_mode_sends_nothing(tmp_path):
     verify_inventory(tmp_path, p_inst, d_inst)
     run_verify_warmup(tmp_path, "--check")
     assert p_inst.log == [] and d_inst.log == []
-    assert not (tmp_path / "work" / "api-key").exists()
+    assert not (tmp_path / "work" / "worker-api-key").exists()
+
+
+# ---- pd_verify's direct calls to the instances send the workers' key, the router calls the client key (issue 32) --
+
+class _KeyedServer:
+    """A server that answers /v1/* only with its one bearer key (401 otherwise), /health always, like vLLM with
+    VLLM_API_KEY set (or the front door with its client key)."""
+
+    def __init__(self, key, model="m"):
+        seen = self.seen = []
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self):
+                seen.append((self.path, self.headers.get("Authorization")))
+                if self.path.startswith("/v1") and self.headers.get("Authorization") != f"Bearer {key}":
+                    code, body = 401, {"error": "Unauthorized"}
+                elif self.path == "/v1/models":
+                    code, body = 200, {"data": [{"id": model}]}
+                else:
+                    code, body = 200, {"choices": [{"text": "x"}]}
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_pd_verify_sends_the_workers_key_to_instances_and_the_client_key_to_the_router():
+    from ansible_collections.b300.pd.roles.pd_verify.files import pd_verify as pv
+
+    worker, router = _KeyedServer("W0rker"), _KeyedServer("Cl1ent")
+    try:
+        cfg = {"router_url": router.url, "model": "m", "api_key": "Cl1ent", "worker_api_key": "W0rker",
+               "instances": [{"name": "prefill-0", "url": worker.url}],
+               "readiness": {"retries": 1, "delay_s": 0, "timeout_s": 5}}
+        res = pv.step_readiness(cfg, sleep=lambda s: None)
+        assert res["ok"], res
+        # the colocated side of the KV-transfer check goes to the instance itself
+        assert pv._completion(worker.url, "m", "hi", 1, cfg)["choices"]
+        assert pv._completion(router.url, "m", "hi", 1, cfg)["choices"]
+        # neither key goes where the other belongs
+        assert {a for p, a in worker.seen if p.startswith("/v1")} == {"Bearer W0rker"}
+        assert {a for p, a in router.seen if p.startswith("/v1")} == {"Bearer Cl1ent"}
+    finally:
+        worker.httpd.shutdown()
+        router.httpd.shutdown()

@@ -189,3 +189,41 @@ def test_a_peer_cannot_write_or_delete(seed, tmp_path):
 def test_a_peer_gets_no_shell(seed):
     rc, out, err = _run(["ssh", "root@seed", "cat", str(seed / "secret")])
     assert rc != 0 and "not for peers" not in out, (out, err)
+
+
+# ------------------------------------------------------------------ the seed does not decide what the others run
+
+def test_a_changed_file_on_the_seed_is_refused_by_every_other_host_through_rrsync(seed, tmp_path, monkeypatch):
+    """Issue #32: the seed's copy of config.json is changed (and its manifest.json rewritten to agree, with code
+    added); every other host copies over the real rrsync path and refuses it, naming the seed host and the file,
+    because it checks against the manifest pinned on the control node, never the seed's."""
+    from ansible_collections.b300.pd.plugins.module_utils import model_manifest as mm
+    from ansible_collections.b300.pd.tests.unit.pd_testlib import load_library, run_module
+
+    rev = "ab" * 20  # a hub commit: its file list cannot vouch for itself
+    revdir = seed / "revisions" / rev
+    revdir.mkdir()
+    (revdir / "config.json").write_text('{"architectures": ["GlmForCausalLM"]}')
+    (revdir / "model.safetensors").write_bytes(b"weights" * 1000)
+    pinned = mm.build_manifest(revdir, revision=rev)  # what the control node pinned (from the hub's listing)
+    (revdir / "manifest.json").write_text(mm.dumps_manifest(pinned))
+    (revdir / "config.json").write_text('{"auto_map": {"AutoModel": "evil.AutoModel"}}')
+    (revdir / "evil.py").write_text("import os\n")
+    (revdir / "manifest.json").write_text(mm.dumps_manifest(mm.build_manifest(revdir, revision=rev)))
+
+    source = _peer_source(str(revdir), [])
+    module = load_library("model_weights")
+    for host in ("b300-02", "b300-03"):
+        root = tmp_path / host
+        args = {"root": str(root), "link": str(root / "served"), "revision": rev, "manifest": pinned,
+                "buffer_size_mib": 1, "space_margin_mib": 0,
+                "source": {"type": "peer", "name": SEED, "host": "192.0.2.11", "user": "root",
+                           "path": source["path"], "ssh_args": source["ssh_args"]}}
+        res, failed = run_module(module.main, args, monkeypatch=monkeypatch)
+        assert failed, res
+        assert f"refused config.json from host {SEED} (root@192.0.2.11:{rev})" in res["msg"], res["msg"]
+        assert "does not match the manifest pinned on the control node" in res["msg"], res["msg"]
+        assert not (root / "revisions" / rev / "config.json").exists()
+        assert not (root / "revisions" / rev / "evil.py").exists()
+        assert (root / "revisions" / rev / "model.safetensors").read_bytes() == b"weights" * 1000
+        assert not (root / "served").exists()

@@ -37,8 +37,11 @@ def _units():
         inv = load_inventory(name)
         for host, hv in inv["hosts"].items():
             for inst in hv["pd_instances"]:
+                # as vllm_serve renders them: with the workers' key file and the firewall's unit required
                 unit = pd_unit.render_unit(inv["recipe"], inst, PYTHON, "vllm",
-                                           vllm_package=inv["group_vars"]["pd_vllm_package"])
+                                           vllm_package=inv["group_vars"]["pd_vllm_package"],
+                                           api_key_file="/etc/vllm/api-key.env",
+                                           requires_units=["pd-firewall.service"])
                 out.append(pytest.param(inv["recipe"], inst, unit, id=f"{name}/{host}/{inst['name']}"))
     return out
 

@@ -570,3 +570,175 @@ def test_a_change_of_plugin_code_changes_the_record_and_owes_a_restart(env, monk
     # a plugin whose module is gone says so (vLLM would fail to load it)
     (site / "pd_shm_notify.py").unlink()
     assert plugin_digests(str(venv)) == {"pd_shm_notify": "missing"}
+
+
+# ---- the workers' API key (issue 32): VLLM_API_KEY from its own 0640 file, never argv/unit/record/diff/result -----
+
+KEY = "k3y-" + "9f" * 30
+
+
+def _everything_but_the_key_file(env):
+    return {p.name: p.read_text() for d in ("units", "etc-vllm") for p in (env["tmp"] / d).rglob("*")
+            if p.is_file() and p.name != "api-key.env"}
+
+
+def test_api_key_reaches_vllm_only_through_its_own_env_file(env, monkeypatch):
+    args = dict(env["args"], api_key=KEY, requires_units=["pd-firewall.service"])
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch, diff=True)
+    assert not failed, res
+    key_file = env["tmp"] / "etc-vllm" / "api-key.env"
+    assert res["api_key_path"] == str(key_file)
+    assert key_file.read_text().splitlines()[1] == f'VLLM_API_KEY="{KEY}"'
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o640
+    assert os.stat(key_file).st_gid == grp.getgrnam(GROUP).gr_gid
+    unit = unit_file(env).read_text()
+    # the unit loads it (no "-": a missing key file stops the unit instead of serving /v1 open) after the env file
+    assert unit.index(f"EnvironmentFile={env['tmp']}/etc-vllm/prefill-0.env\n") < unit.index(
+        f"EnvironmentFile={key_file}\n")
+    assert "Requires=pd-firewall.service\nAfter=pd-firewall.service\n" in unit
+    # nowhere else: argv, unit, env file, record, the result (diff included: run_module does not mask no_log values)
+    assert KEY not in json.dumps(res)
+    assert all(KEY not in text for text in _everything_but_the_key_file(env).values())
+    assert "--api-key" not in res["argv"]
+    digest = res["record"]["api_key_digest"]
+    assert len(digest) == 16 and digest not in KEY
+    # same key: nothing changes; another key: the record changes, so the instance restarts (drain path)
+    Path(res["pending_path"]).unlink()
+    res2, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed and not res2["changed"] and not res2["restart_required"]
+    res3, failed = run_module(vllm_instance.main, dict(args, api_key=KEY + "x"), run_command=ok_parser([]),
+                              monkeypatch=monkeypatch, diff=True)
+    assert not failed and res3["changed"] and res3["restart_required"]
+    assert res3["record"]["api_key_digest"] != digest
+    assert KEY not in json.dumps(res3) and f'"{KEY}x"' in key_file.read_text()
+    # the rollback copies hold no key either
+    rollback = env["tmp"] / "etc-vllm" / "rollback"
+    assert rollback.is_dir() and all(KEY not in p.read_text() for p in rollback.iterdir())
+
+
+def test_api_key_file_is_not_written_in_check_mode_nor_in_a_review_render(env, monkeypatch):
+    res, failed = run_module(vllm_instance.main, dict(env["args"], api_key=KEY), run_command=ok_parser([]),
+                             monkeypatch=monkeypatch, check_mode=True)
+    assert not failed and res["changed"]
+    assert not (env["tmp"] / "etc-vllm" / "api-key.env").exists()
+    root = env["tmp"] / "render"
+    args = dict(env["args"], api_key=KEY, render_root=str(root), unit_dir="/etc/systemd/system",
+                env_dir="/etc/vllm", state_root="/var/lib/vllm", group="vllm-does-not-exist-here")
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed, res
+    assert "EnvironmentFile=/etc/vllm/api-key.env\n" in Path(res["unit_path"]).read_text()
+    assert not (root / "etc/vllm/api-key.env").exists()
+    assert all(KEY not in p.read_text() for p in root.rglob("*") if p.is_file())
+
+
+def test_no_api_key_removes_the_key_file_and_the_unit_line(env, monkeypatch):
+    res, failed = run_module(vllm_instance.main, dict(env["args"], api_key=KEY), run_command=ok_parser([]),
+                             monkeypatch=monkeypatch)
+    assert not failed and (env["tmp"] / "etc-vllm" / "api-key.env").exists()
+    res, failed = run_module(vllm_instance.main, env["args"], run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert not failed and res["changed"] and res["api_key_path"] is None
+    assert not (env["tmp"] / "etc-vllm" / "api-key.env").exists()
+    assert "api-key.env" not in unit_file(env).read_text()
+    assert "api_key_digest" not in res["record"]
+
+
+@pytest.mark.parametrize("where, value", [
+    ("extra_flags", {"api-key": KEY}),
+    ("extra_flags", {"api_key": KEY}),
+    ("extra_flags", {"api-ke": KEY}),
+    ("pd_vllm_flags_common", {"api-key": KEY}),
+    ("extra_env", {"VLLM_API_KEY": KEY}),
+    ("pd_vllm_env", {"VLLM_API_KEY": KEY}),
+])
+def test_api_key_in_flags_or_env_is_refused_with_the_fix(env, monkeypatch, where, value):
+    args = dict(env["args"])
+    if where.startswith("pd_"):
+        args["recipe"] = dict(args["recipe"], **{where: {**(args["recipe"].get(where) or {}), **value}})
+    else:
+        args["instance"] = dict(args["instance"], **{where: value})
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert failed and "pd_router_api_key" in res["msg"] and where in res["msg"], res["msg"]
+    assert KEY not in res["msg"]
+    assert not unit_file(env).exists() and not env_file(env).exists()
+
+
+@pytest.mark.parametrize("key", ["\t", "two words ", "new\nline", "nul\x00"])
+def test_bad_api_key_is_refused_without_echoing_it(env, monkeypatch, key):
+    res, failed = run_module(vllm_instance.main, dict(env["args"], api_key=key + KEY), run_command=ok_parser([]),
+                             monkeypatch=monkeypatch)
+    assert failed and "pd_router_api_key" in res["msg"] and KEY not in res["msg"]
+    assert not unit_file(env).exists()
+
+
+# ---- every inventory string checked where it is written (issue 32, item 4) ------------------------------------
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "a b", "a\nb", ".hidden"])
+def test_instance_name_is_checked_by_the_writer(env, monkeypatch, name):
+    args = dict(env["args"], instance=dict(env["args"]["instance"], name=name))
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert failed and "pd_instances[].name" in res["msg"], res
+    assert list((env["tmp"] / "etc-vllm").iterdir()) == [] and list((env["tmp"] / "units").iterdir()) == []
+
+
+def test_writable_path_with_a_space_is_refused_by_the_writer(env, monkeypatch):
+    args = dict(env["args"], instance=dict(env["args"]["instance"], extra_env={"TMPDIR": "/srv/x /etc"}))
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert failed and "extra_env.TMPDIR" in res["msg"] and "plain absolute path" in res["msg"], res
+    assert not unit_file(env).exists()
+
+
+def test_served_model_name_with_a_newline_is_refused_by_the_writer(env, monkeypatch):
+    args = dict(env["args"], recipe=dict(env["args"]["recipe"], pd_served_model_name="m\nExecStartPre=/bin/x"))
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert failed and "pd_served_model_name" in res["msg"] and "U+000A" in res["msg"], res
+    assert not unit_file(env).exists()
+
+
+def test_requires_units_are_checked(env, monkeypatch):
+    args = dict(env["args"], requires_units=["pd-firewall.service\nExecStartPre=/bin/sh"])
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser([]), monkeypatch=monkeypatch)
+    assert failed and "requires_units[0]" in res["msg"], res
+    assert not unit_file(env).exists()
+
+
+# The pinned vLLM's own middleware setup (vllm/entrypoints/serve/middleware/register.py) on an app with a /v1 and a
+# /health route, VLLM_API_KEY from the environment the unit's key file gives, no --api-key: /v1 needs the key.
+AUTH_SCRIPT = r"""
+import json, os
+from argparse import Namespace
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
+app = FastAPI()
+app.get("/v1/models")(lambda: {"data": []})
+app.get("/health")(lambda: {})
+app.get("/metrics")(lambda: {})
+args = Namespace(allowed_origins=["*"], allow_credentials=False, allowed_methods=["*"], allowed_headers=["*"],
+                 api_key=None, enable_request_id_headers=False, middleware=[])
+init_entrypoints_middleware(args, app, ())
+c = TestClient(app)
+key = os.environ["VLLM_API_KEY"]
+print("PD_TEST_RESULT " + json.dumps({
+    "no_key": c.get("/v1/models").status_code,
+    "wrong_key": c.get("/v1/models", headers={"Authorization": "Bearer " + key[:-1]}).status_code,
+    "key": c.get("/v1/models", headers={"Authorization": "Bearer " + key}).status_code,
+    "health": c.get("/health").status_code, "metrics": c.get("/metrics").status_code}))
+"""
+
+
+def test_the_key_file_makes_the_pinned_vllm_require_the_key_on_v1_only(env, monkeypatch):
+    need_vllm_venv()
+    res, failed = run_module(vllm_instance.main, dict(env["args"], api_key=KEY), run_command=ok_parser([]),
+                             monkeypatch=monkeypatch)
+    assert not failed, res
+    # what systemd's EnvironmentFile= gives the process: the one assignment, its double quotes removed
+    (line,) = [x for x in Path(res["api_key_path"]).read_text().splitlines() if not x.startswith("#")]
+    name, _eq, quoted = line.partition("=")
+    assert name == "VLLM_API_KEY" and quoted.startswith('"') and quoted.endswith('"')
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    proc = subprocess.run([str(VLLM_VENV_PY), "-c", AUTH_SCRIPT], capture_output=True, text=True, timeout=300,
+                          check=False, env=dict(environ, VLLM_API_KEY=quoted[1:-1], VLLM_LOGGING_LEVEL="ERROR"))
+    out = [x for x in proc.stdout.splitlines() if x.startswith("PD_TEST_RESULT ")]
+    assert out, proc.stdout[-2000:] + proc.stderr[-2000:]
+    codes = json.loads(out[-1].split(" ", 1)[1])
+    assert codes == {"no_key": 401, "wrong_key": 401, "key": 200, "health": 200, "metrics": 200}, codes

@@ -217,6 +217,14 @@ def _retry(fn, retries, delay, sleep=time.sleep):
     return None, retries, last
 
 
+def key_for(cfg, base_url):
+    """The bearer token for base_url: the client key for the router (front door), the workers' key for an instance
+    (each vLLM instance requires pd_router_api_key on /v1); neither is ever sent where the other belongs."""
+    if base_url.rstrip("/") == str(cfg.get("router_url") or "").rstrip("/"):
+        return cfg.get("api_key")
+    return cfg.get("worker_api_key")
+
+
 def check_endpoint(name, base_url, model, *, retries=30, delay=5.0, timeout=10.0, api_key=None, sleep=time.sleep):
     """One server: /health 200 and /v1/models lists ``model``. Returns a dict with ok and error."""
 
@@ -250,7 +258,7 @@ def step_readiness(cfg, sleep=time.sleep):
     with ThreadPoolExecutor(max_workers=max(1, len(targets))) as ex:
         results = list(ex.map(lambda t: check_endpoint(t[0], t[1], cfg["model"], retries=r.get("retries", 30),
                                                        delay=r.get("delay_s", 5.0), timeout=r.get("timeout_s", 10.0),
-                                                       api_key=cfg.get("api_key"), sleep=sleep), targets))
+                                                       api_key=key_for(cfg, t[1]), sleep=sleep), targets))
     errors = [x["error"] for x in results if not x["ok"]]
     return {"ok": not errors, "targets": results, "errors": errors}
 
@@ -261,7 +269,7 @@ def _completion(base_url, model, prompt, max_tokens, cfg, *, extra=None):
     if extra:
         payload.update(extra)
     return http_post_json(base_url + "/v1/completions", payload, timeout=cfg.get("request_timeout_s", 600),
-                          api_key=cfg.get("api_key"))
+                          api_key=key_for(cfg, base_url))
 
 
 def context_lengths(cfg):
@@ -390,7 +398,7 @@ def step_kv_transfer(cfg, prompts):
     def scrape_all():
         res = {}
         for d in decodes:
-            st, body = http_get(d["url"] + "/metrics", timeout=30, api_key=cfg.get("api_key"))
+            st, body = http_get(d["url"] + "/metrics", timeout=30, api_key=key_for(cfg, d["url"]))
             if st != 200:
                 raise HttpError(f"GET {d['url']}/metrics: HTTP {st}")
             res[d["name"]] = parse_prometheus(body)
@@ -398,7 +406,7 @@ def step_kv_transfer(cfg, prompts):
 
     def tokenize(text):
         r = http_post_json(direct["url"] + "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False},
-                           timeout=60, api_key=cfg.get("api_key"))
+                           timeout=60, api_key=key_for(cfg, direct["url"]))
         return r.get("tokens") or []
 
     errors, cases = [], []
@@ -587,7 +595,7 @@ def run_all(cfg, steps=STEPS, sleep=time.sleep):
               "model": cfg["model"], "inventory": cfg.get("inventory"), "steps": {}}
     direct = next((i for i in cfg["instances"] if i["name"] == cfg.get("kv_check", {}).get("direct_instance")),
                   cfg["instances"][0])
-    prompts = PromptMaker(direct["url"] + "/tokenize", cfg["model"], api_key=cfg.get("api_key"))
+    prompts = PromptMaker(direct["url"] + "/tokenize", cfg["model"], api_key=key_for(cfg, direct["url"]))
     for step in steps:
         if step not in STEPS:
             raise ValueError(f"unknown step '{step}' (known: {', '.join(STEPS)})")

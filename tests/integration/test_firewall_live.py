@@ -1,0 +1,79 @@
+"""Issue 32, the per-service port matrix on the live embedded default: real TCP connections between the test hosts.
+
+Run on the live stack after site.yml (test_local_stack.py's, left up with PD_KEEP_STACK=1):
+
+    .venv/bin/pytest -q -p no:cacheprovider tests/integration/test_firewall_live.py
+
+Each host probes the others' listening ports with a 1.5 s connect (python3 on the host): "open" = connected,
+"refused" = the host answered with a reset (the firewall let the SYN through, nothing listens), "dropped" = no
+answer (the default-deny ruleset dropped it). The embedded default puts the routers and monitoring on pd-router-0:
+- from the prefill host: the router host's front door, router metrics, mtail, node exporter and Prometheus are
+  dropped; so are the decode instance's vLLM HTTP and DP ports (vLLM HTTP is for routers and monitoring only);
+- from the router/monitoring host: every instance's vLLM HTTP and the vLLM hosts' node exporters are open, the
+  prefill's NIXL side channel is dropped;
+- from the decode host: the prefill's NIXL side channel (the pull of the KV blocks) is open, its vLLM HTTP dropped.
+The tests/unit netns test shows the same matrix for the b300 rulesets.
+"""
+
+from __future__ import annotations
+
+import json
+
+from test_local_stack import host_cmd, record
+from test_local_stack import inventory as _inventory_fixture
+
+inventory = _inventory_fixture  # the session fixture of test_local_stack.py
+
+PROBE = r"""
+import errno, json, socket, sys
+out = {}
+for target in json.loads(sys.argv[1]):
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1.5).close()
+        out[target] = "open"
+    except socket.timeout:
+        out[target] = "dropped"
+    except OSError as e:
+        dropped = e.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH)
+        out[target] = "refused" if e.errno == errno.ECONNREFUSED else "dropped" if dropped else str(e)
+print(json.dumps(out))
+"""
+
+
+def probe(host: str, targets: list[str]) -> dict:
+    script = f"python3 -c '{PROBE}' '{json.dumps(targets)}'"
+    return json.loads(host_cmd(host, script, timeout=120).strip().splitlines()[-1])
+
+
+def test_each_service_is_reachable_only_from_the_hosts_that_need_it(inventory):
+    hv = inventory["hostvars"]
+    router = inventory["router_host"]
+    by_pool = {}
+    for inst in inventory["instances"]:
+        by_pool.setdefault(inst["pool"], []).append(inst)
+    prefill, decode = by_pool["prefill"][0], by_pool["decode"][0]
+    r_addr = hv[router]["ansible_host"]
+    p_addr, d_addr = prefill["address"], decode["address"]
+    router_metrics = [u["metrics_port"] for u in hv[router]["pd_router_units"]]
+    expect = {
+        prefill["host"]: {
+            **{f"{r_addr}:{p}": "dropped" for p in [8000, 9090, 9100, 3903, *router_metrics]},
+            f"{d_addr}:{decode['http_port']}": "dropped",
+        },
+        router: {
+            **{f"{i['address']}:{i['http_port']}": "open" for i in inventory["instances"]},
+            f"{p_addr}:9100": "open",
+            f"{d_addr}:9100": "open",
+            f"{p_addr}:{prefill['nixl_side_channel_port']}": "dropped",
+        },
+        decode["host"]: {
+            f"{p_addr}:{prefill['nixl_side_channel_port']}": "open",
+            f"{p_addr}:{prefill['http_port']}": "dropped",
+        },
+    }
+    found = {host: probe(host, sorted(targets)) for host, targets in expect.items()}
+    record("firewall-matrix-live", {"expected": expect, "found": found})
+    wrong = {host: {t: (want, found[host].get(t)) for t, want in targets.items() if found[host].get(t) != want}
+             for host, targets in expect.items()}
+    assert not any(wrong.values()), wrong
