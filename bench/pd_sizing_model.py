@@ -124,13 +124,13 @@ def fit(measurements, shared=False):
         if not holds:
             continue
         err = math.sqrt(err / len(ms))
-        score = (round(err, 9), sum(v for v, _ in values.values() if math.isfinite(v)))
+        score = (round(err, 9), sum(v for v, _exact in values.values() if math.isfinite(v)))
         if best is None or score < best[0]:
             best = (score, values, assignment)
     if best is None:
         raise SizingError("measurements: no reading of the bounds fits every measurement (each shape's own bound "
                           "must be its smallest capacity); check the bound of each measurement")
-    _, values, assignment = best
+    _score, values, assignment = best
     pairs = list(zip(ms, assignment, strict=True))
     return {"terms": {t: {"value": values[t][0], "exact": values[t][1],
                           "bound_by": [m["name"] for m, a in pairs if a == t]} for t in TERMS},

@@ -80,8 +80,8 @@ def measure(view, hostvars, *, api_key, timeout, warm_repeats=2):
             url = inst["url"] + req["path"]
             seeds = [7000 + 10 * k + i for i in range(1 + warm_repeats)]
             timings = [post(url, fresh_body(req["body"], req["context_tokens"], s), api_key, timeout) for s in seeds]
-            statuses = sorted({s for s, _ in timings})
-            first, warm = timings[0][1], min(t for _, t in timings[1:])
+            statuses = sorted({status for status, _seconds in timings})
+            first, warm = timings[0][1], min(seconds for _status, seconds in timings[1:])
             rows.append({"instance": inst["name"], "feature": req["feature"], "path": req["path"],
                          "context_tokens": req["context_tokens"], "first_s": round(first, 4),
                          "warm_s": round(warm, 4), "extra_s": round(first - warm, 4), "statuses": statuses})
@@ -89,7 +89,7 @@ def measure(view, hostvars, *, api_key, timeout, warm_repeats=2):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     ap.add_argument("-i", "--inventory", default="inventory/local")
     ap.add_argument("--api-key-file", type=Path, default=Path(__file__).resolve().parents[1] / ".cache/worker/api-key",
                     help="the instances' key (pd_router_api_key); default the local stack's .cache/worker/api-key "

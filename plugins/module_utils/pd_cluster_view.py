@@ -289,5 +289,5 @@ def _firewall_addresses(problems, hosts, routers, monitoring, peers):
             unmatched += bad
     else:  # a plain list of peers: each host connects from its address (when it is an IP)
         for host, address in address_of.items():
-            addresses[host], _ = firewall_addresses(problems, host, address, None)
+            addresses[host], _extra = firewall_addresses(problems, host, address, None)
     return addresses, unmatched

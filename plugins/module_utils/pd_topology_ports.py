@@ -195,7 +195,7 @@ def _port_items(field, ports):
     for idx, item in enumerate(ports):
         where = f"{field}[{idx}]"
         text = str(item).strip() if not isinstance(item, bool) else ""
-        low, _, high = text.partition("-")
+        low, _sep, high = text.partition("-")
         if not low.isdigit() or (high and not high.isdigit()) or not 1 <= int(low) <= int(high or low) <= 65535:
             raise InputError(f"{where}: {short(item)} is not a TCP port or range; use an integer in 1..65535 or "
                              "\"low-high\"")

@@ -73,8 +73,8 @@ def test_b300_view_is_mains():
         "http://192.0.2.13:8200"]
     # TLS by default (issue #32): the front doors answer https, clients trust the bundle's CA on the control node.
     assert v["router_url"] == "https://192.0.2.13:8000"  # router_hosts[0] is b300-03
-    assert [(r["url"], r["scheme"]) for r in v["routers"]] == [("https://192.0.2.13:8000", "https"),
-                                                              ("https://192.0.2.12:8000", "https")]
+    assert [(r["url"], r["scheme"]) for r in v["routers"]] == [
+        ("https://192.0.2.13:8000", "https"), ("https://192.0.2.12:8000", "https")]
     assert Path(v["router_ca_file"]).resolve() == ROOT / ".cache" / "tls" / "ca.crt"
     assert v["prometheus_url"] == "http://192.0.2.13:9090"
     assert v["pd_router_urls"] == ["http://127.0.0.1:8001", "http://192.0.2.12:8001"]
@@ -184,11 +184,11 @@ def test_playbook_and_bench_compose_the_same_view_of_every_view_var(tmp_path):
 
 def test_firewall_matrix_per_service():
     """Issue 32: each service port of each host lists the hosts that need it (pd_topology_ports.firewall_matrix)."""
-    hosts = {"p1": {"ansible_host": "10.0.0.1", "node_exporter_port": 9100, "pd_instances": [
-                 {"name": "p", "pool": "prefill", "http_port": 8100, "nixl_side_channel_port": 5600, "dp_size": 2,
-                  "dp_rpc_port": 13345}]},
-             "d1": {"ansible_host": "10.0.0.2", "node_exporter_port": 9100, "pd_instances": [
-                 {"name": "d", "pool": "decode", "http_port": 8200, "nixl_side_channel_port": 5700}]}}
+    prefill = {"name": "p", "pool": "prefill", "http_port": 8100, "nixl_side_channel_port": 5600, "dp_size": 2,
+               "dp_rpc_port": 13345}
+    decode = {"name": "d", "pool": "decode", "http_port": 8200, "nixl_side_channel_port": 5700}
+    hosts = {"p1": {"ansible_host": "10.0.0.1", "node_exporter_port": 9100, "pd_instances": [prefill]},
+             "d1": {"ansible_host": "10.0.0.2", "node_exporter_port": 9100, "pd_instances": [decode]}}
     mon = {"host": "m1", "address": "10.0.0.8", "prometheus_port": 9090, "alertmanager_port": 9093,
            "alertmanager_listen_address": "127.0.0.1", "dcgm_exporter_port": 9400, "node_exporter_port": 9100}
     peers = {h: {"ansible_host": a, "pd_firewall_host_addresses": x} for h, a, x in [

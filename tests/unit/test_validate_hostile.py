@@ -246,6 +246,7 @@ def test_hostile_env_paths_are_refused_or_written_as_one_path(topology):
     if not problems:
         _assert_rendered_safely(hosts, recipe)
 
+
 # --- issue 32: router, front door, firewall, Alertmanager and a router-only host's address -----------------------
 
 GROUPS = {"all": ["b300-01", "gw"], "vllm_hosts": ["b300-01"], "router_hosts": ["gw"], "monitoring_hosts": ["gw"]}
