@@ -35,6 +35,7 @@ ROLE = ROOT / "roles" / "pd_frontdoor"
 ERR = (ValueError, AnsibleError)  # the filters raise AnsibleFilterError under Ansible
 KEY = "k" * 8 + "0123456789abcdef0123456789abcdef"
 KEY2 = "Q.w+e" * 6  # regex metacharacters of the key alphabet, upper case
+WORKER_KEY = "w" * 64  # pd_router_api_key: what the front door sends the routers instead of the client's key
 
 
 def _units(*ports_modes):
@@ -187,6 +188,11 @@ def _render(tmp: Path, port: int, backends: list[dict], **extra) -> None:
     ctx = _context(tmp, port, backends, **extra)
     (tmp / "pd-frontdoor.conf").write_text(env.get_template("pd-frontdoor.conf.j2").render(**ctx))
     (tmp / "api-keys.map").write_text(env.get_template("api-keys.map.j2").render(**ctx))
+    # The workers' key header, as the role's task writes it (its content rendered with the same context).
+    task = next(t for t in yaml.safe_load((ROLE / "tasks" / "main.yml").read_text())
+                if t.get("name") == "Write the workers' key header (root-only, read by nginx's master process)")
+    (tmp / "worker-auth.conf").write_text(env.from_string(task["ansible.builtin.copy"]["content"]).render(
+        **{"pd_frontdoor_worker_api_key": WORKER_KEY, **ctx}))
     for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (tmp / d).mkdir()
     (tmp / "nginx.conf").write_text(f"""
@@ -296,7 +302,8 @@ def test_failed_pd_routers_are_retried_on_the_colocated_router_without_the_key(f
     assert len(frontdoor["ups"]["pd_a"].seen) == 2  # tried on both passes, answered 500 each time
     seen = frontdoor["ups"]["colocated"].seen
     assert len(seen) == 1 and seen[0]["body"] == b'{"prompt": "hi"}'  # the whole body, resent
-    assert all(s["auth"] is None for u in frontdoor["ups"].values() for s in u.seen)  # the key stops at the door
+    # The client's key stops at the door; the workers' key goes on (the colocated router forwards it).
+    assert all(s["auth"] == f"Bearer {WORKER_KEY}" for u in frontdoor["ups"].values() for s in u.seen)
     # The failure is the worker's, not the router's (issue #31): no router rests, the next request tries the P/D
     # router again (its own health checks drop a dead worker), and the front door never runs out of upstreams.
     for n in range(2, 6):
@@ -506,7 +513,8 @@ def test_admission_sheds_at_once_fills_the_cluster_with_one_key_and_keeps_room_f
                 assert err["code"] == 429 and err["type"] == "rate_limit_exceeded" and "retry after 3 s" in \
                     err["message"]
         assert len(up.seen) == 6  # nothing refused reached a router
-        assert all(s["auth"] is None for s in up.seen)  # nor the key, through the gate either
+        # nor the client's key, through the gate either: the routers get the workers' key
+        assert all(s["auth"] == f"Bearer {WORKER_KEY}" for s in up.seen)
         # When the admitted ones are done, the door admits again.
         assert _req(url, key=KEY)[0] == 200
         log = _log_lines(tmp_path / "access.log", 10)
@@ -657,6 +665,7 @@ def test_a_bad_nginx_config_is_never_swapped_in_and_the_previous_one_is_kept(tmp
     variables.pop("ansible_managed")
     (fd / "api-keys.map").write_text("".join(f'"{e["pattern"]}" {e["label"]};\n'
                                              for e in pdf.pd_frontdoor_key_map([KEY, KEY2])))
+    (fd / "worker-auth.conf").write_text(f'proxy_set_header Authorization "Bearer {WORKER_KEY}";\n')
     # A Debian-shaped nginx.conf: the server block goes into conf.d through its glob include.
     (live / "nginx.conf").write_text(f"""daemon on;
 pid {tmp_path}/nginx.pid;

@@ -207,10 +207,10 @@ def router(*args):
         proc.wait(timeout=30)
 
 
-def call(method, url, body=None):
+def call(method, url, body=None, headers=None):
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,  # noqa: S310 - local URL
-                                 headers={"Content-Type": "application/json"} if data else {})
+                                 headers={**({"Content-Type": "application/json"} if data else {}), **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - local URL
             return r.status, r.read().decode()

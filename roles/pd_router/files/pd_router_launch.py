@@ -7,7 +7,8 @@ vllm-router takes the key it sends to the vLLM workers only as ``--api-key KEY``
 ``/proc/<pid>/cmdline`` for every local user to read. The unit instead loads the key with
 ``LoadCredential=worker-api-key:<file>`` (a root-only file, exposed to this service alone under
 ``$CREDENTIALS_DIRECTORY``); this launcher parses the arguments with vllm-router's own parser, sets the key on
-the parsed arguments and calls vllm-router's own launch function. Without the credential it is plain
+the parsed arguments (and, for the vLLM P/D path, which reads the key from ``OPENAI_API_KEY`` instead, in the
+process environment) and calls vllm-router's own launch function. Without the credential it is plain
 ``vllm-router <arguments>``.
 """
 
@@ -30,7 +31,13 @@ def main(argv: list[str]) -> int:
     args = parse_router_args(argv)
     cred_dir = os.environ.get("CREDENTIALS_DIRECTORY")
     if cred_dir and (Path(cred_dir) / CREDENTIAL).is_file():
-        args.api_key = (Path(cred_dir) / CREDENTIAL).read_text().strip() or None
+        key = (Path(cred_dir) / CREDENTIAL).read_text().strip()
+        args.api_key = key or None
+        # The regular router sends args.api_key; the vLLM P/D path (vllm_pd_router.rs, 0.1.17) sends
+        # `Authorization: Bearer $OPENAI_API_KEY` from its own environment to the prefill and the decode instead.
+        # The process environment is readable by its own user and root only (not /proc/<pid>/cmdline).
+        if key:
+            os.environ["OPENAI_API_KEY"] = key
     launch_router(args)
     return 0
 
