@@ -277,10 +277,8 @@ def _digest(path):
     return re.search(r'comment "pd_firewall sha256:([0-9a-f]{64})"', path.read_text()).group(1)
 
 
-def test_load_is_keyed_on_the_live_table(tmp_path):
-    """tasks/live.yml decides from the loaded table, whatever the last run wrote: no table -> load; the file
-    loaded -> nothing to do; a new file written but not loaded (a run interrupted between write and load, so the
-    next run sees the file unchanged) -> load; a table without a digest (an older role) -> load."""
+def _old_and_new_rulesets(tmp_path):
+    """b300-01's ruleset as rendered, and a changed one (one more extra peer); skips without network namespaces."""
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
@@ -289,7 +287,14 @@ def test_load_is_keyed_on_the_live_table(tmp_path):
     render(tmp_path / "old", "inventory/b300", "-l", "b300-01")
     render(tmp_path / "new", "inventory/b300", "-l", "b300-01",
            "-e", json.dumps({"pd_firewall_extra_peers": ["203.0.113.9"]}))
-    old, new = tmp_path / "old" / "b300-01.nft", tmp_path / "new" / "b300-01.nft"
+    return tmp_path / "old" / "b300-01.nft", tmp_path / "new" / "b300-01.nft"
+
+
+def test_load_is_keyed_on_the_live_table(tmp_path):
+    """tasks/live.yml decides from the loaded table, whatever the last run wrote: no table -> load; the file
+    loaded -> nothing to do; a new file written but not loaded (a run interrupted between write and load, so the
+    next run sees the file unchanged) -> load; a table without a digest (an older role) -> load."""
+    old, new = _old_and_new_rulesets(tmp_path)
     play = tmp_path / "live.yml"
     play.write_text(LIVE_PLAY)
     ns = f"pdfw{os.getpid()}live"
@@ -337,15 +342,7 @@ def test_rollback_restores_the_loaded_table_or_the_ssh_only_one(tmp_path, first_
     """The rollback timer's script, run in a namespace after the new ruleset was loaded: on a first install the
     SSH-only default-deny table is loaded (never no table) and becomes the file, the new one kept as .rejected;
     otherwise the table loaded before (saved from the live table as rules.yml does) comes back, file and table."""
-    reason = _netns_unavailable()
-    if reason:
-        pytest.skip(reason)
-    (tmp_path / "old").mkdir()
-    (tmp_path / "new").mkdir()
-    render(tmp_path / "old", "inventory/b300", "-l", "b300-01")
-    render(tmp_path / "new", "inventory/b300", "-l", "b300-01",
-           "-e", json.dumps({"pd_firewall_extra_peers": ["203.0.113.9"]}))
-    old, new = tmp_path / "old" / "b300-01.nft", tmp_path / "new" / "b300-01.nft"
+    old, new = _old_and_new_rulesets(tmp_path)
     etc = tmp_path / "etc"
     etc.mkdir()
     rules, previous, fallback = etc / "pd-firewall.nft", etc / "pd-firewall.nft.previous", etc / "ssh-only.nft"

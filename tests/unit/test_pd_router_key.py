@@ -8,21 +8,17 @@ request reached the prefill with an empty Bearer and vLLM answered 401.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 import threading
-import time
-import urllib.request
 from http.server import ThreadingHTTPServer
 
 from ansible_collections.b300.pd.tests.unit.test_pd_router_workers import (
     ROLE,
     ROUTER_VENV,
     QuietJSONHandler,
-    _free_port,
     call,
+    router,
 )
 
 KEY = "k" * 40
@@ -60,32 +56,14 @@ class KeyedWorker:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-@contextlib.contextmanager
 def launched(tmp_path, *args):
+    """The real router started through the role's launcher, the key in a systemd-like credential directory."""
     cred = tmp_path / "cred"
     cred.mkdir(exist_ok=True)
     (cred / "worker-api-key").write_text(KEY + "\n")
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
-    proc = subprocess.Popen([str(ROUTER_VENV / "bin" / "python"), str(ROLE / "files" / "pd_router_launch.py"),
-                             "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(_free_port()),
-                             "--log-level", "warning", *args],
-                            env={**env, "CREDENTIALS_DIRECTORY": str(cred)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(base + "/liveness", timeout=2).read()  # noqa: S310 - local URL
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "vllm-router did not start"
-                time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    return router(*args, command=[str(ROUTER_VENV / "bin" / "python"), str(ROLE / "files" / "pd_router_launch.py")],
+                  env={**env, "CREDENTIALS_DIRECTORY": str(cred)})
 
 
 def _complete(base):

@@ -181,15 +181,18 @@ def _free_port():
 
 
 @contextlib.contextmanager
-def router(*args):
+def router(*args, command=None, env=None):
+    """A real vllm-router on 127.0.0.1 with `args`, live before it is yielded (its base URL). `command`: what starts
+    it instead of the vllm-router executable (e.g. the role's launcher), `env`: its environment."""
     exe = ROUTER_VENV / "bin" / "vllm-router"
     if not exe.exists():
         pytest.fail(f"{exe} missing: run scripts/bootstrap --local (stage 55-router-wheelhouse)")
     port, mport = _free_port(), _free_port()
-    proc = subprocess.Popen([str(exe), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
-                             "127.0.0.1", "--prometheus-port", str(mport), "--policy", "round_robin",
-                             "--health-check-interval-secs", "60", "--log-level", "warning", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([*(command or [str(exe)]), "--host", "127.0.0.1", "--port", str(port),
+                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport),
+                             "--policy", "round_robin", "--health-check-interval-secs", "60", "--log-level",
+                             "warning", *args],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -93,6 +93,16 @@ def _flag_dicts(recipe, hosts):
     return [d for d in out if isinstance(d, dict)]  # an earlier mutation may have made one a list or None
 
 
+def _drawn_env(draw, targets, recipe, hosts, insts):
+    """One env map of the topology to mutate: a recipe-level one of `targets` or an instance's extra_env (not a
+    dict when an earlier mutation replaced it)."""
+    target = draw(st.sampled_from(targets))
+    if target == "extra_env" and insts:
+        h, i = draw(st.sampled_from(insts))
+        return hosts[h]["pd_instances"][i].setdefault("extra_env", {})
+    return recipe.setdefault(target, {}) if isinstance(recipe.get(target, {}), dict) else {}
+
+
 @st.composite
 def topologies(draw):
     hosts = copy.deepcopy(BASE_HOSTS)
@@ -116,24 +126,14 @@ def topologies(draw):
             if dicts:
                 draw(st.sampled_from(dicts))[draw(KEYS)] = draw(VALUES)
         elif kind == "env":
-            target = draw(st.sampled_from(["pd_vllm_env", "pd_ucx_env", "extra_env"]))
-            if target == "extra_env" and insts:
-                h, i = draw(st.sampled_from(insts))
-                env = hosts[h]["pd_instances"][i].setdefault("extra_env", {})
-            else:
-                env = recipe.setdefault(target, {}) if isinstance(recipe.get(target, {}), dict) else {}
+            env = _drawn_env(draw, ["pd_vllm_env", "pd_ucx_env", "extra_env"], recipe, hosts, insts)
             if isinstance(env, dict):
                 if draw(st.booleans()):  # a var the unit makes writable: its path goes into ReadWritePaths=
                     env[draw(st.sampled_from(pd_unit.UNIT_WRITABLE_ENV))] = draw(st.one_of(PATHS, VALUES))
                 else:
                     env[draw(KEYS)] = draw(VALUES)
         elif kind == "env-path":  # issue 32: a path the unit makes writable, e.g. TMPDIR: "/srv/x /etc"
-            target = draw(st.sampled_from(["pd_vllm_env", "extra_env", "extra_env"]))
-            if target == "extra_env" and insts:
-                h, i = draw(st.sampled_from(insts))
-                env = hosts[h]["pd_instances"][i].setdefault("extra_env", {})
-            else:
-                env = recipe.setdefault(target, {}) if isinstance(recipe.get(target, {}), dict) else {}
+            env = _drawn_env(draw, ["pd_vllm_env", "extra_env", "extra_env"], recipe, hosts, insts)
             if isinstance(env, dict):
                 env[draw(st.sampled_from(pd_unit.UNIT_WRITABLE_ENV))] = draw(PATHS)
         elif kind == "recipe":
