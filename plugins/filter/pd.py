@@ -33,6 +33,7 @@ _FILTERS = {
     "pd_frontdoor_key_transport": pd_frontdoor.pd_frontdoor_key_transport,
     "pd_firewall_rules": pd_topology_ports.host_ruleset,
     "pd_firewall_live_digest": pd_topology_ports.firewall_digest,
+    "pd_firewall_vllm_egress": pd_topology_ports.vllm_egress,
     "pd_rollout_topology": pd_rollout.pd_rollout_topology,
     "pd_rollout_order": pd_rollout.pd_rollout_order,
     "pd_rollout_routing": pd_rollout.pd_rollout_routing,

@@ -270,7 +270,8 @@ def cluster_view(hosts, routers=(), monitoring=(), peers=()):
         # peers: every address of the matrix (kept for tools that list the cluster's addresses); rules: host ->
         # [{service, ports, from, sources}] (pd_topology_ports.firewall_matrix), what pd_firewall renders.
         "firewall": {"peers": sorted({a for lst in addresses.values() for a in lst}), "hosts": firewall,
-                     "groups": matrix["groups"], "rules": matrix["rules"], "problems": unmatched},
+                     "groups": matrix["groups"], "rules": matrix["rules"],
+                     "vllm_egress_denied": matrix["vllm_egress_denied"], "problems": unmatched},
     }
 
 

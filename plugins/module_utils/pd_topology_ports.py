@@ -102,6 +102,11 @@ FIREWALL_SERVICES = {
     "alertmanager": ("monitoring",),          # only where it listens beyond loopback
 }
 _LOOPBACK = ("127.", "::1", "localhost")
+# vLLM's own services: what one vLLM process may connect to. Every other port of the matrix is denied to the vLLM
+# user on every vLLM host (vllm_egress): the input rules keep other hosts out, but a vLLM process on a host that also
+# runs routers or monitoring reaches them over loopback (the routers' admin API /workers has no credential in
+# vllm-router 0.1.17), and one on a router host reaches the other router hosts' routers as a router host.
+VLLM_OWN_SERVICES = ("vllm_http", "nixl_side_channel_prefill", "nixl_side_channel_decode", "dp_rpc")
 # The comment of the ruleset's first rule: the digest of the file, read back from the live table (firewall_digest).
 DIGEST_PREFIX = "pd_firewall sha256:"
 
@@ -185,7 +190,15 @@ def firewall_matrix(addresses, vllm, routers, monitoring, *, exporters, dcgm_por
     if monitoring:
         for host, port in exporters.items():
             add(host, "node_exporter", [port])
-    return {"groups": groups, "rules": rules}
+    own = {p for host_rules in rules.values() for r in host_rules if r["service"] in VLLM_OWN_SERVICES
+           for p in r["ports"]}
+    denied = {p for host_rules in rules.values() for r in host_rules if r["service"] not in VLLM_OWN_SERVICES
+              for p in r["ports"]}
+    # Alertmanager on loopback has no input rule, and its API (silences) is what a vLLM process beside it must not use.
+    denied |= {as_port(m["alertmanager_port"]) for m in monitoring if m.get("alertmanager_port") is not None}
+    # A port that is vLLM's own on some host stays open to it (the rule matches ports, not hosts).
+    denied -= own
+    return {"groups": groups, "rules": rules, "vllm_egress_denied": sorted(denied)}
 
 
 def _port_items(field, ports):
@@ -266,6 +279,17 @@ def host_ruleset(firewall, host, *, extra_peers=(), ssh_ports=(22,), ssh_sources
         rules.append(_rule(f"client_{idx}", f"client port {port[0]}", port,
                            union(_sources(f"{field}.sources", entry.get("sources") or []), extra)))
     return rules
+
+
+def vllm_egress(firewall, host):
+    """The ports a vLLM process of host may not connect to, anywhere, loopback included (nft elements; [] on a host
+    without vLLM instances): every service port of the cluster's matrix that is not vLLM's own."""
+    if not isinstance(firewall, dict) or not isinstance(firewall.get("rules"), dict):
+        raise InputError("pd_cluster.firewall: no port matrix; run the role through a playbook that imports "
+                         "playbooks/validate.yml first (it publishes pd_cluster)")
+    if not any(r["service"] == "vllm_http" for r in firewall["rules"].get(host, [])):
+        return []
+    return _port_items("pd_cluster.firewall vllm_egress_denied", firewall.get("vllm_egress_denied") or [])
 
 
 def firewall_digest(nft_json):

@@ -13,6 +13,8 @@ answer (the default-deny ruleset dropped it). The embedded default puts the rout
   prefill's NIXL side channel is dropped;
 - from the decode host: the prefill's NIXL side channel (the pull of the KV blocks) is open, its vLLM HTTP dropped.
 The tests/unit netns test shows the same matrix for the b300 rulesets.
+A vLLM process (the vLLM user) is refused at once, by its own host, every service port that is not vLLM's own
+(the routers and their admin API, the front door, Prometheus, the exporters), and still reaches vLLM's own.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ print(json.dumps(out))
 """
 
 
-def probe(host: str, targets: list[str]) -> dict:
-    script = f"python3 -c '{PROBE}' '{json.dumps(targets)}'"
+def probe(host: str, targets: list[str], user: str = "") -> dict:
+    as_user = f"runuser -u {user} -- " if user else ""
+    script = f"{as_user}python3 -c '{PROBE}' '{json.dumps(targets)}'"
     return json.loads(host_cmd(host, script, timeout=120).strip().splitlines()[-1])
 
 
@@ -77,3 +80,24 @@ def test_each_service_is_reachable_only_from_the_hosts_that_need_it(inventory):
     wrong = {host: {t: (want, found[host].get(t)) for t, want in targets.items() if found[host].get(t) != want}
              for host, targets in expect.items()}
     assert not any(wrong.values()), wrong
+
+
+def test_a_vllm_process_reaches_only_vllm_services(inventory):
+    hv = inventory["hostvars"]
+    router = inventory["router_host"]
+    by_pool = {}
+    for inst in inventory["instances"]:
+        by_pool.setdefault(inst["pool"], []).append(inst)
+    prefill, decode = by_pool["prefill"][0], by_pool["decode"][0]
+    r_addr = hv[router]["ansible_host"]
+    user = hv[decode["host"]].get("pd_vllm_user", "vllm")
+    unit_ports = [p for u in hv[router]["pd_router_units"] for p in (u["port"], u["metrics_port"])]
+    refused = [f"{r_addr}:{p}" for p in [8000, 9090, 9100, 3903, *unit_ports]] + [f"{prefill['address']}:9100"]
+    own = f"{prefill['address']}:{prefill['nixl_side_channel_port']}"
+    found = probe(decode["host"], sorted([*refused, own]), user=user)
+    as_root = probe(decode["host"], sorted(refused))
+    record("firewall-vllm-egress-live", {"user": user, "found": found, "as_root": as_root})
+    # refused by the decode host itself (a reset at once); root's SYNs go out and the router host drops them
+    assert {t: found[t] for t in refused} == dict.fromkeys(refused, "refused"), found
+    assert set(as_root.values()) == {"dropped"}, as_root
+    assert found[own] == "open", found

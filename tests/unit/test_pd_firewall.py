@@ -84,6 +84,34 @@ def test_b300_port_matrix(tmp_path):
         assert prefill_only not in rules[host]["router_api"]["v4"]
 
 
+def vllm_egress_denied(ruleset: str) -> set[str] | None:
+    """The ports the output chain refuses to the vLLM user (None: no output chain)."""
+    m = re.search(r'^    meta skuid "[^"]+" tcp dport \{ ([^}]*) \} counter reject', ruleset, re.M)
+    return set(m.group(1).split(", ")) if m else None
+
+
+def test_vllm_user_is_refused_every_service_that_is_not_vllm_s_own(tmp_path):
+    """A vLLM process on a router or monitoring host reaches that host's services over loopback, where the input
+    rules never look: on every vLLM host the vLLM user is refused every other service port of the cluster (routers
+    and their admin API, front door, mtail, Prometheus, Alertmanager on loopback too, exporters), never one of
+    vLLM's own; a host without vLLM has no such chain."""
+    (tmp_path / "b300").mkdir()
+    (tmp_path / "local").mkdir()
+    b300 = render(tmp_path / "b300", "inventory/b300")
+    want = {"8000", "3903", "8001", "8009", "29000", "29009", "9090", "9093", "9100", "9400"}
+    for host, ruleset in b300.items():
+        assert vllm_egress_denied(ruleset) == want, host
+        assert 'meta skuid "nobody"' in ruleset  # the render's stand-in for the vLLM user
+    local = render(tmp_path / "local", "inventory/local")
+    assert vllm_egress_denied(local["pd-router-0"]) is None
+    denied = vllm_egress_denied(local["pd-prefill-0"])
+    own = {p for host in local.values() for name, r in rules_of(host).items()
+           if name in ("vllm_http", "nixl_side_channel_prefill", "nixl_side_channel_decode", "dp_rpc", "ucx_tcp")
+           for p in r["ports"]}
+    assert denied and not denied & own, (denied, own)
+    assert vllm_egress_denied(local["pd-decode-0"]) == denied
+
+
 def test_local_port_matrix_keeps_the_embedded_default_working(tmp_path):
     """inventory/local: the control node (extra peer) reaches every service; the router/monitoring host the
     instances; the vLLM hosts each other's NIXL and UCX TCP ports."""

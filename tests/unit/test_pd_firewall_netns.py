@@ -224,6 +224,30 @@ def test_b300_monitoring_host_reaches_the_metrics_of_a_router_host(lab, b300_rul
     _check(lab, b300_rulesets["b300-02"], expected)
 
 
+def test_b300_vllm_user_reaches_only_vllm_services_on_a_router_host(lab, b300_rulesets):
+    """b300-03 runs the decode instance beside routers, Prometheus and the front door: over loopback (and to the
+    host's own address) a vLLM process (the rendered rulesets name `nobody` for the vLLM user) is refused every
+    service port that is not vLLM's own: the routers' admin API above all; root (nginx, the routers, Prometheus
+    are other users) reaches them all."""
+    lab.load(b300_rulesets["b300-03"])
+    own_address = lab.server["b300-02"]["v4"]
+    targets = [["127.0.0.1", p] for p in PORTS] + [["::1", ROUTER_API], [own_address, ROUTER_API]]
+
+    def probe(*as_user):
+        proc = lab.exec("server", *as_user, "/usr/bin/python3", "-c", PROBE, str(CONNECT_TIMEOUT_S),
+                        json.dumps(targets))
+        return {(addr, port): result for addr, port, result in json.loads(proc.stdout)}
+
+    denied = {FRONTDOOR, ROUTER_API, ROUTER_METRICS, MTAIL, PROMETHEUS, NODE, DCGM}
+    as_vllm = probe("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+    wrong = {t: r for t, r in as_vllm.items() if (r == "open") == (t[1] in denied)}
+    assert not wrong, f"(address, port) -> result where the vLLM user's egress is wrong: {wrong}"
+    # refused at once (a reset), not left to time out
+    assert as_vllm[("127.0.0.1", ROUTER_API)] == "ConnectionRefusedError"
+    as_root = probe()
+    assert all(r == "open" for r in as_root.values()), as_root
+
+
 def test_b300_ipv6_clients_and_extra_peers(lab, tmp_path):
     """IPv6: a front-door client (pd_firewall_router_clients) reaches the front door only; an extra peer
     (pd_firewall_extra_peers, e.g. the control node) every service port; the cluster's IPv4-only hosts nothing."""
