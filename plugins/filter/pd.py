@@ -10,7 +10,13 @@ import functools
 
 from ansible.errors import AnsibleFilterError
 from ansible_collections.b300.pd.plugins.module_utils import pd_topology_ports
-from ansible_collections.b300.pd.plugins.plugin_utils import pd_frontdoor, pd_rollout, pd_router, vllm_install
+from ansible_collections.b300.pd.plugins.plugin_utils import (
+    pd_frontdoor,
+    pd_inputs,
+    pd_rollout,
+    pd_router,
+    vllm_install,
+)
 
 
 def _as_filter_error(fn):
@@ -32,6 +38,7 @@ _FILTERS = {
     "pd_frontdoor_tls_sans": pd_frontdoor.pd_frontdoor_tls_sans,
     "pd_frontdoor_key_transport": pd_frontdoor.pd_frontdoor_key_transport,
     "pd_firewall_rules": pd_topology_ports.host_ruleset,
+    "pd_listen_address": pd_inputs.pd_listen_address,
     "pd_firewall_live_digest": pd_topology_ports.firewall_digest,
     "pd_firewall_vllm_egress": pd_topology_ports.vllm_egress,
     "pd_rollout_topology": pd_rollout.pd_rollout_topology,

@@ -13,6 +13,7 @@ answer (the default-deny ruleset dropped it). The embedded default puts the rout
   prefill's NIXL side channel is dropped;
 - from the decode host: the prefill's NIXL side channel (the pull of the KV blocks) is open, its vLLM HTTP dropped.
 The tests/unit netns test shows the same matrix for the b300 rulesets.
+A firewall change whose play is killed between writing the ruleset and loading it is loaded by the next run.
 A vLLM process (the vLLM user) is refused at once, by its own host, every service port that is not vLLM's own
 (the routers and their admin API, the front door, Prometheus, the exporters), and still reaches vLLM's own.
 """
@@ -20,8 +21,12 @@ A vLLM process (the vLLM user) is refused at once, by its own host, every servic
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 
-from test_local_stack import host_cmd, record
+from test_local_stack import ENV, INVENTORY, ROOT, VENV_BIN, host_cmd, playbook, record
 from test_local_stack import inventory as _inventory_fixture
 
 inventory = _inventory_fixture  # the session fixture of test_local_stack.py
@@ -101,3 +106,51 @@ def test_a_vllm_process_reaches_only_vllm_services(inventory):
     assert {t: found[t] for t in refused} == dict.fromkeys(refused, "refused"), found
     assert set(as_root.values()) == {"dropped"}, as_root
     assert found[own] == "open", found
+
+
+KILL_AFTER = "TASK [b300.pd.pd_firewall : Write the first-install fallback"  # the task after "Write the ruleset"
+
+
+def _firewall_play(host: str, peers: list[str]) -> list[str]:
+    return [str(VENV_BIN / "ansible-playbook"), "-i", INVENTORY, "playbooks/deploy.yml", "--tags", "firewall",
+            "--limit", host, "-e", json.dumps({"pd_firewall_extra_peers": peers})]
+
+
+def _firewall_state(host: str, marker: str) -> dict:
+    """Whether marker (an address) is in the written ruleset file and in the loaded table."""
+    out = host_cmd(host, f"grep -c '{marker}' /etc/nftables.d/pd-firewall.nft; "
+                         f"nft list table inet pd_firewall | grep -c '{marker}'; true", timeout=60)
+    written, loaded = (int(n) for n in out.split()[-2:])
+    return {"written": written > 0, "loaded": loaded > 0}
+
+
+def test_an_interrupted_firewall_change_is_loaded_by_the_next_run(inventory):
+    host = next(i["host"] for i in inventory["instances"] if i["pool"] == "prefill")
+    peers = list(inventory["hostvars"][host]["pd_firewall_extra_peers"])
+    marker = "203.0.113.9"
+    assert _firewall_state(host, marker) == {"written": False, "loaded": False}
+    # The change (one more extra peer), killed (SIGKILL, the whole process group) once the ruleset is written.
+    proc = subprocess.Popen(_firewall_play(host, [*peers, marker]), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, deadline = [], time.monotonic() + 600
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(KILL_AFTER) or time.monotonic() > deadline:
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert seen and seen[-1].startswith(KILL_AFTER), "".join(seen[-40:])
+    interrupted = _firewall_state(host, marker)
+    # The next run, which writes nothing new (the file is already what it renders), loads it.
+    playbook(*_firewall_play(host, [*peers, marker])[3:], timeout=600)
+    loaded = _firewall_state(host, marker)
+    # Back to the inventory's ruleset.
+    playbook(*_firewall_play(host, peers)[3:], timeout=600)
+    restored = _firewall_state(host, marker)
+    record("firewall-interrupted-change", {"host": host, "interrupted": interrupted, "after_rerun": loaded,
+                                           "restored": restored})
+    assert interrupted == {"written": True, "loaded": False}, interrupted
+    assert loaded == {"written": True, "loaded": True}, loaded
+    assert restored == {"written": False, "loaded": False}, restored

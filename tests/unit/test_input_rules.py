@@ -21,7 +21,7 @@ from ansible_collections.b300.pd.plugins.module_utils import pd_topology, pd_uni
 from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_inputs import inventory_values
 from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import TopologyError, cluster_view, view_inputs
 from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import RecipeError
-from ansible_collections.b300.pd.plugins.plugin_utils import pd_frontdoor, pd_router, vllm_install
+from ansible_collections.b300.pd.plugins.plugin_utils import pd_frontdoor, pd_inputs, pd_router, vllm_install
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_role_defaults import role_defaults
 from ansible_collections.b300.pd.tests.unit.pd_testlib import (
     ROOT,
@@ -372,3 +372,17 @@ def test_frontdoor_refuses_an_upstream_address_that_is_not_a_host():
     # The shared rule's message (check_host), through the filter's error (PdFilterError) or as InputError.
     with pytest.raises(ValueError, match=r"ansible_host: '1\.2\.3\.4:80 ; server 6\.6\.6\.6' is neither an IP address"):
         pd_frontdoor.pd_frontdoor_backends(cluster, "r1", "0.0.0.0")  # noqa: S104
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1 --web.config.file=/x", "127.0.0.1:9093", '"0.0.0.0"', ""])
+def test_alertmanager_listen_address_is_refused_where_it_is_written(value):
+    """The Alertmanager unit's argument line (alertmanager.default.j2) takes the address through the filter that
+    checks it again with validate's rule."""
+    with pytest.raises(ValueError, match="^observability_alertmanager_listen_address: "):
+        pd_inputs.pd_listen_address(value, 9093, "observability_alertmanager_listen_address")
+    with pytest.raises(ValueError, match="^observability_alertmanager_port: "):
+        pd_inputs.pd_listen_address("127.0.0.1", "9093 --x", "observability_alertmanager_listen_address",
+                                    "observability_alertmanager_port")
+    assert pd_inputs.pd_listen_address("::1", "9093") == "[::1]:9093"
+    template = (ROOT / "roles/observability/templates/alertmanager.default.j2").read_text()
+    assert "observability_alertmanager_listen_address | b300.pd.pd_listen_address(" in template

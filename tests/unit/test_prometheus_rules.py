@@ -26,6 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ROOT / "roles" / "observability"
 from ansible_collections.b300.pd.bench.pd_cluster import view_from  # noqa: E402
+from ansible_collections.b300.pd.plugins.plugin_utils import pd_inputs  # noqa: E402
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 INVENTORIES = ("local", "b300")
@@ -81,6 +82,7 @@ def load_inventory_full(name: str) -> dict:
 
 def _filters(env: jinja2.Environment) -> None:
     env.filters["to_json"] = json.dumps
+    env.filters["b300.pd.pd_listen_address"] = pd_inputs.pd_listen_address
     env.filters["bool"] = lambda v: v if isinstance(v, bool) else str(v).lower() in ("true", "yes", "1", "on")
 
 
