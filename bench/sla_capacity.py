@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ansible_collections.b300.pd.bench.capacity_admission import admission_limit, write_patch
+from ansible_collections.b300.pd.bench.capacity_admission import ADMISSION_MARGIN, admission_limit, write_patch
 from ansible_collections.b300.pd.bench.capacity_bench_serve import run_point, run_warmup
 from ansible_collections.b300.pd.bench.capacity_fit import add_fits, compare
 from ansible_collections.b300.pd.bench.capacity_plan import (
@@ -132,11 +132,16 @@ def parse_args(argv):
     ap.add_argument("--out-dir", help="report directory (default reports/capacity/<UTC time>)")
     ap.add_argument("--admission-file",
                     help="write the front door's admission limit (pd_frontdoor_max_inflight, requests in flight at "
-                         "the SLA knee) as a group_vars file here, e.g. inventory/local/group_vars/all/admission.yml. "
+                         "the highest rate within --admission-margin of the SLA) as a group_vars file here, e.g. "
+                         "inventory/local/group_vars/all/admission.yml. "
                          "Measure with the door's admission off (-e pd_frontdoor_max_inflight=0 on the routers' play): "
                          "it would refuse the search's bursts (429, counted as failed requests)")
     ap.add_argument("--front-doors", type=int, default=1,
                     help="front doors taking clients at once; each admits the cluster's figure divided by this")
+    ap.add_argument("--admission-margin", type=float, default=ADMISSION_MARGIN,
+                    help="the admission limit is taken at the highest rate whose mean TTFT and TPOT are within this "
+                         "part of pd_sla (the door holds the engines at the limit under overload; at the knee itself "
+                         "they miss the SLA there)")
     a = ap.parse_args(argv)
     vars_ = load_group_vars(Path(a.inventory))
     if a.model:
@@ -179,6 +184,8 @@ def parse_args(argv):
         raise UsageError("--finer-sweep needs --compare-with <search report.json> or --sweep-min and --sweep-max")
     if a.front_doors < 1:
         raise UsageError(f"--front-doors {a.front_doors}: must be >= 1 (front doors taking clients at once)")
+    if not 0 < a.admission_margin <= 1:
+        raise UsageError(f"--admission-margin {a.admission_margin}: give a part of pd_sla in (0, 1], e.g. 0.8")
     if a.admission_file and a.finer_sweep:
         raise UsageError("--admission-file goes with a search, not --finer-sweep (the search's max rates set it)")
     return a
@@ -328,7 +335,7 @@ def main(argv=None) -> int:
         rep["interrupted"] = interrupted
     add_fits(rep, a.fit_window)
     if not a.finer_sweep:
-        rep["admission"] = admission_limit(rep, a.front_doors)
+        rep["admission"] = admission_limit(rep, a.front_doors, a.admission_margin)
         if a.admission_file and not interrupted:
             log(f"admission: pd_frontdoor_max_inflight {rep['admission']['max_inflight']} -> "
                 f"{write_patch(a.admission_file, rep['admission'], str(out_dir / 'report.json'))}")

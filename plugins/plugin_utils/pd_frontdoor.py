@@ -182,8 +182,10 @@ def pd_frontdoor_admission(max_inflight, max_rate=0, key_share=0.5, reserve_shar
                         "the part of pd_frontdoor_max_inflight held back for keys under their share (e.g. 0.25)")
     reserved = max(1, math.ceil(limit * reserve)) if limit else 0
     per_s = rate * share
-    # nginx takes a whole number of requests per second or per minute
-    key_rate = f"{max(1, math.floor(per_s))}r/s" if per_s >= 1 else f"{max(1, math.floor(per_s * 60))}r/m"
+    # nginx takes a whole number of requests per second or per minute. Per minute unless the share is a whole number
+    # per second: flooring a share of 5.38 r/s to 5r/s would put a key sending 5.2 r/s, within its share, over it.
+    per_min = max(1, math.floor(per_s * 60 + 1e-9))
+    key_rate = f"{per_min // 60}r/s" if per_min % 60 == 0 else f"{per_min}r/m"
     key_burst = max(1, math.ceil(per_s))
     if client_max_body_size in (None, ""):
         tokens = _whole("pd_frontdoor_max_model_len", max_model_len, 1, 100_000_000,

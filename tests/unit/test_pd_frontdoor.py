@@ -532,6 +532,20 @@ def test_admission_sheds_at_once_fills_the_cluster_with_one_key_and_keeps_room_f
 
 
 @needs_nginx
+def test_a_key_within_its_share_cannot_take_the_reserve_from_another(tmp_path):
+    # A flooding key's first share of the rate passes limit_req: without a bound its within-share requests could
+    # take the reserve meant for the other keys. No key holds more than M in flight.
+    # M = 4, M + R = 6; a key's share is 4 requests a second (a burst of 4: five at once).
+    admission = {"max_inflight": 4, "max_rate": 4, "share": 1.0, "reserve": 0.5}
+    with _one_router(tmp_path, "sleep-1.5", admission=admission) as (port, _up):
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        # KEY: five within its share, but only M = 4 admitted; the sixth is over its share and M are in flight.
+        # KEY2 then finds the whole reserve: 6 in flight.
+        statuses = [r[0] for r in _concurrently(url, [KEY] * 6 + [KEY2] * 2)]
+        assert statuses == [200, 200, 200, 200, 429, 429, 200, 200], statuses
+
+
+@needs_nginx
 def test_no_admission_limit_when_zero(tmp_path):
     with _one_router(tmp_path, "sleep-0.5") as (port, up):
         assert "pd_frontdoor_inflight" not in (tmp_path / "pd-frontdoor.conf").read_text()

@@ -1,4 +1,4 @@
-#!/bin/bash
+# Run with bash (kept as the evidence of how the A/B ran).
 # A/B of the front door's admission under a CPU hog: new (per-key in-flight cap, r/m rate) vs old.
 cd /work/main
 H="scripts/testhosts ssh --env local pd-router-0 --"
