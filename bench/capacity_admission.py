@@ -23,18 +23,14 @@ from pathlib import Path
 ADMISSION_MARGIN = 0.8
 
 
-def inflight_at_knee(context: dict, output_len: int, sla: dict | None = None,
-                     margin: float = ADMISSION_MARGIN) -> float | None:
-    """Mean requests in flight over the passing points at the highest rate within margin x sla ({ttft_mean_ms,
-    tpot_mean_ms}; without sla: the context's max rate, the knee itself); None without such a point."""
+def inflight_within_sla(context: dict, output_len: int, sla: dict, margin: float = ADMISSION_MARGIN) -> float | None:
+    """Mean requests in flight over the passing points at the highest rate whose mean TTFT and mean TPOT are within
+    margin x sla ({ttft_mean_ms, tpot_mean_ms}; margin 1: the knee); None without such a point."""
     pts = [p for p in context.get("points", []) if p.get("passed") and p.get("request_throughput")
-           and p.get("mean_ttft_ms") is not None and p.get("mean_tpot_ms") is not None]
-    if sla:
-        pts = [p for p in pts if p["mean_ttft_ms"] <= margin * float(sla["ttft_mean_ms"])
-               and p["mean_tpot_ms"] <= margin * float(sla["tpot_mean_ms"])]
-        rate = max((p.get("rate") or 0 for p in pts), default=0)
-    else:
-        rate = context.get("max_rate") or 0
+           and p.get("mean_ttft_ms") is not None and p.get("mean_tpot_ms") is not None
+           and p["mean_ttft_ms"] <= margin * float(sla["ttft_mean_ms"])
+           and p["mean_tpot_ms"] <= margin * float(sla["tpot_mean_ms"])]
+    rate = max((p.get("rate") or 0 for p in pts), default=0)
     pts = [p for p in pts if rate and p.get("rate") == rate]
     if not pts:
         return None
@@ -57,7 +53,7 @@ def admission_limit(report: dict, front_doors: int = 1, margin: float = ADMISSIO
         raise ValueError("the capacity report has no sla {ttft_mean_ms, tpot_mean_ms}: rerun bench/sla_capacity.py")
     by_ctx, bracketed = {}, []
     for c in report.get("contexts", []):
-        v = inflight_at_knee(c, int(report.get("output_len") or 1), sla, margin)
+        v = inflight_within_sla(c, int(report.get("output_len") or 1), sla, margin)
         if v is not None:
             by_ctx[int(c["context"])] = round(v, 2)
             if c.get("fail_rate") is not None:

@@ -190,10 +190,9 @@ def firewall_matrix(addresses, vllm, routers, monitoring, *, exporters, dcgm_por
     if monitoring:
         for host, port in exporters.items():
             add(host, "node_exporter", [port])
-    own = {p for host_rules in rules.values() for r in host_rules if r["service"] in VLLM_OWN_SERVICES
-           for p in r["ports"]}
-    denied = {p for host_rules in rules.values() for r in host_rules if r["service"] not in VLLM_OWN_SERVICES
-              for p in r["ports"]}
+    own, denied = set(), set()
+    for r in (r for host_rules in rules.values() for r in host_rules):
+        (own if r["service"] in VLLM_OWN_SERVICES else denied).update(r["ports"])
     # Alertmanager on loopback has no input rule, and its API (silences) is what a vLLM process beside it must not use.
     denied |= {as_port(m["alertmanager_port"]) for m in monitoring if m.get("alertmanager_port") is not None}
     # A port that is vLLM's own on some host stays open to it (the rule matches ports, not hosts).
@@ -230,6 +229,12 @@ def _rule(name, service, ports, sources, *, anywhere=False):
             "v4": [a for a in sources if ":" not in a], "v6": [a for a in sources if ":" in a]}
 
 
+def _check_matrix(firewall):
+    if not isinstance(firewall, dict) or not isinstance(firewall.get("rules"), dict):
+        raise InputError("pd_cluster.firewall: no port matrix; run the role through a playbook that imports "
+                         "playbooks/validate.yml first (it publishes pd_cluster)")
+
+
 def host_ruleset(firewall, host, *, extra_peers=(), ssh_ports=(22,), ssh_sources=(), router_clients=(),
                  operator_sources=(), client_ports=(), extra_ports=(), peer_port_ranges=()):
     """One host's accept rules, in order: [{name, service, ports (nft elements), anywhere, v4, v6}].
@@ -240,9 +245,7 @@ def host_ruleset(firewall, host, *, extra_peers=(), ssh_ports=(22,), ssh_sources
     door, operator_sources to Prometheus / Alertmanager; client_ports [{port, sources}] are further client-facing
     ports; extra_ports further exporters (from the monitoring hosts); peer_port_ranges UCX's TCP ports (vLLM hosts).
     """
-    if not isinstance(firewall, dict) or not isinstance(firewall.get("rules"), dict):
-        raise InputError("pd_cluster.firewall: no port matrix; run the role through a playbook that imports "
-                         "playbooks/validate.yml first (it publishes pd_cluster)")
+    _check_matrix(firewall)
     if firewall.get("problems"):
         raise InputError("; ".join(firewall["problems"]))
     extra = _sources("pd_firewall_extra_peers", extra_peers)
@@ -284,9 +287,7 @@ def host_ruleset(firewall, host, *, extra_peers=(), ssh_ports=(22,), ssh_sources
 def vllm_egress(firewall, host):
     """The ports a vLLM process of host may not connect to, anywhere, loopback included (nft elements; [] on a host
     without vLLM instances): every service port of the cluster's matrix that is not vLLM's own."""
-    if not isinstance(firewall, dict) or not isinstance(firewall.get("rules"), dict):
-        raise InputError("pd_cluster.firewall: no port matrix; run the role through a playbook that imports "
-                         "playbooks/validate.yml first (it publishes pd_cluster)")
+    _check_matrix(firewall)
     if not any(r["service"] == "vllm_http" for r in firewall["rules"].get(host, [])):
         return []
     return _port_items("pd_cluster.firewall vllm_egress_denied", firewall.get("vllm_egress_denied") or [])

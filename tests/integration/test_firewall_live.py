@@ -54,19 +54,27 @@ def probe(host: str, targets: list[str], user: str = "") -> dict:
     return json.loads(host_cmd(host, script, timeout=120).strip().splitlines()[-1])
 
 
-def test_each_service_is_reachable_only_from_the_hosts_that_need_it(inventory):
-    hv = inventory["hostvars"]
-    router = inventory["router_host"]
+# The router/monitoring host's front door, Prometheus, node exporter and mtail (inventory/local's ports).
+ROUTER_HOST_PORTS = (8000, 9090, 9100, 3903)
+
+
+def _stack(inventory):
+    """(the first prefill instance, the first decode instance, the router host, its address)."""
     by_pool = {}
     for inst in inventory["instances"]:
         by_pool.setdefault(inst["pool"], []).append(inst)
-    prefill, decode = by_pool["prefill"][0], by_pool["decode"][0]
-    r_addr = hv[router]["ansible_host"]
+    router = inventory["router_host"]
+    return by_pool["prefill"][0], by_pool["decode"][0], router, inventory["hostvars"][router]["ansible_host"]
+
+
+def test_each_service_is_reachable_only_from_the_hosts_that_need_it(inventory):
+    hv = inventory["hostvars"]
+    prefill, decode, router, r_addr = _stack(inventory)
     p_addr, d_addr = prefill["address"], decode["address"]
     router_metrics = [u["metrics_port"] for u in hv[router]["pd_router_units"]]
     expect = {
         prefill["host"]: {
-            **{f"{r_addr}:{p}": "dropped" for p in [8000, 9090, 9100, 3903, *router_metrics]},
+            **{f"{r_addr}:{p}": "dropped" for p in [*ROUTER_HOST_PORTS, *router_metrics]},
             f"{d_addr}:{decode['http_port']}": "dropped",
         },
         router: {
@@ -89,15 +97,10 @@ def test_each_service_is_reachable_only_from_the_hosts_that_need_it(inventory):
 
 def test_a_vllm_process_reaches_only_vllm_services(inventory):
     hv = inventory["hostvars"]
-    router = inventory["router_host"]
-    by_pool = {}
-    for inst in inventory["instances"]:
-        by_pool.setdefault(inst["pool"], []).append(inst)
-    prefill, decode = by_pool["prefill"][0], by_pool["decode"][0]
-    r_addr = hv[router]["ansible_host"]
+    prefill, decode, router, r_addr = _stack(inventory)
     user = hv[decode["host"]].get("pd_vllm_user", "vllm")
     unit_ports = [p for u in hv[router]["pd_router_units"] for p in (u["port"], u["metrics_port"])]
-    refused = [f"{r_addr}:{p}" for p in [8000, 9090, 9100, 3903, *unit_ports]] + [f"{prefill['address']}:9100"]
+    refused = [f"{r_addr}:{p}" for p in [*ROUTER_HOST_PORTS, *unit_ports]] + [f"{prefill['address']}:9100"]
     own = f"{prefill['address']}:{prefill['nixl_side_channel_port']}"
     found = probe(decode["host"], sorted([*refused, own]), user=user)
     as_root = probe(decode["host"], sorted(refused))
@@ -112,8 +115,9 @@ KILL_AFTER = "TASK [b300.pd.pd_firewall : Write the first-install fallback"  # t
 
 
 def _firewall_play(host: str, peers: list[str]) -> list[str]:
-    return [str(VENV_BIN / "ansible-playbook"), "-i", INVENTORY, "playbooks/deploy.yml", "--tags", "firewall",
-            "--limit", host, "-e", json.dumps({"pd_firewall_extra_peers": peers})]
+    """deploy.yml's firewall play alone on host, with these extra peers (ansible-playbook's arguments)."""
+    return ["playbooks/deploy.yml", "--tags", "firewall", "--limit", host,
+            "-e", json.dumps({"pd_firewall_extra_peers": peers})]
 
 
 def _firewall_state(host: str, marker: str) -> dict:
@@ -130,8 +134,9 @@ def test_an_interrupted_firewall_change_is_loaded_by_the_next_run(inventory):
     marker = "203.0.113.9"
     assert _firewall_state(host, marker) == {"written": False, "loaded": False}
     # The change (one more extra peer), killed (SIGKILL, the whole process group) once the ruleset is written.
-    proc = subprocess.Popen(_firewall_play(host, [*peers, marker]), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    argv = [str(VENV_BIN / "ansible-playbook"), "-i", INVENTORY, *_firewall_play(host, [*peers, marker])]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     seen, deadline = [], time.monotonic() + 600
     try:
         for line in proc.stdout:
@@ -144,10 +149,10 @@ def test_an_interrupted_firewall_change_is_loaded_by_the_next_run(inventory):
     assert seen and seen[-1].startswith(KILL_AFTER), "".join(seen[-40:])
     interrupted = _firewall_state(host, marker)
     # The next run, which writes nothing new (the file is already what it renders), loads it.
-    playbook(*_firewall_play(host, [*peers, marker])[3:], timeout=600)
+    playbook(*_firewall_play(host, [*peers, marker]), timeout=600)
     loaded = _firewall_state(host, marker)
     # Back to the inventory's ruleset.
-    playbook(*_firewall_play(host, peers)[3:], timeout=600)
+    playbook(*_firewall_play(host, peers), timeout=600)
     restored = _firewall_state(host, marker)
     record("firewall-interrupted-change", {"host": host, "interrupted": interrupted, "after_rerun": loaded,
                                            "restored": restored})

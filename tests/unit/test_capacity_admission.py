@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from ansible_collections.b300.pd.bench.capacity_admission import admission_limit, inflight_at_knee, inventory_patch
+from ansible_collections.b300.pd.bench.capacity_admission import admission_limit, inflight_within_sla, inventory_patch
 
 
 def _ctx(context, max_rate, points, fail_rate=99.0):
@@ -26,9 +26,9 @@ REPORT = {"output_len": 33, "sla": SLA, "contexts": [
 
 
 def test_inflight_is_rate_times_latency_at_the_knee():
-    assert inflight_at_knee(REPORT["contexts"][0], 33) == pytest.approx(60 * 0.36)
-    assert inflight_at_knee(REPORT["contexts"][1], 33) == pytest.approx((11.6 + 12.92) / 2)
-    assert inflight_at_knee(_ctx(3072, 0.0, [(1.0, False, 1.0, 9000.0, 5.0)]), 33) is None
+    assert inflight_within_sla(REPORT["contexts"][0], 33, SLA) == pytest.approx(60 * 0.36)
+    assert inflight_within_sla(REPORT["contexts"][1], 33, SLA) == pytest.approx((11.6 + 12.92) / 2)
+    assert inflight_within_sla(_ctx(3072, 0.0, [(1.0, False, 1.0, 9000.0, 5.0)]), 33, SLA) is None
 
 
 def test_limit_is_the_fewest_over_contexts_per_front_door():
@@ -70,7 +70,7 @@ def test_the_limit_is_taken_where_the_sla_holds_with_a_margin_not_at_the_knee():
     assert lim["by_context"] == {3072: 10.55} and lim["max_inflight"] == 10
     assert lim["max_rate"] == 14.67  # a key's share stays a part of the capacity
     assert admission_limit({"output_len": 32, "sla": SLA, "contexts": [ctx]}, margin=1.0)["max_inflight"] == 17
-    assert inflight_at_knee(ctx, 32) == pytest.approx(14.44 * (579.0 + 31 * 19.4) / 1000)
+    assert inflight_within_sla(ctx, 32, SLA, margin=1.0) == pytest.approx(14.44 * (579.0 + 31 * 19.4) / 1000)
     # No passing point within the margin: no limit (the patch says none met it), never the knee's.
     tight = _ctx(3072, 14.67, [(14.67, True, 14.44, 579.0, 19.4), (16.0, False, 15.9, 1032.0, 33.3)])
     assert admission_limit({"output_len": 32, "sla": SLA, "contexts": [tight]})["max_inflight"] == 0

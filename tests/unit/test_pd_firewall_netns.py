@@ -143,13 +143,19 @@ class Lab:
         proc = self.exec("server", "nft", "-f", str(ruleset_path), check=False)
         assert proc.returncode == 0, proc.stderr
 
+    def probe(self, ns, targets, *as_user):
+        """{(address, port): "open" | error name} for [[address, port], ...], connected from namespace ns (as_user:
+        a command prefix that changes the user; the distribution's python3, which any user can run)."""
+        python = "/usr/bin/python3" if as_user else sys.executable
+        proc = self.exec(ns, *as_user, python, "-c", PROBE, str(CONNECT_TIMEOUT_S), json.dumps(targets))
+        return {(addr, port): result for addr, port, result in json.loads(proc.stdout)}
+
     def matrix(self, ports, clients=tuple(CLIENTS), families=("v4",)):
         """{(client, family, port): "open" | error name} for every client, family and port."""
         out = {}
         for client in clients:
             targets = [[self.server[client][fam], port] for fam in families for port in ports]
-            proc = self.exec(client, sys.executable, "-c", PROBE, str(CONNECT_TIMEOUT_S), json.dumps(targets))
-            for addr, port, result in json.loads(proc.stdout):
+            for (addr, port), result in self.probe(client, targets).items():
                 out[(client, "v6" if ":" in addr else "v4", port)] = result
         return out
 
@@ -232,19 +238,13 @@ def test_b300_vllm_user_reaches_only_vllm_services_on_a_router_host(lab, b300_ru
     lab.load(b300_rulesets["b300-03"])
     own_address = lab.server["b300-02"]["v4"]
     targets = [["127.0.0.1", p] for p in PORTS] + [["::1", ROUTER_API], [own_address, ROUTER_API]]
-
-    def probe(*as_user):
-        proc = lab.exec("server", *as_user, "/usr/bin/python3", "-c", PROBE, str(CONNECT_TIMEOUT_S),
-                        json.dumps(targets))
-        return {(addr, port): result for addr, port, result in json.loads(proc.stdout)}
-
     denied = {FRONTDOOR, ROUTER_API, ROUTER_METRICS, MTAIL, PROMETHEUS, NODE, DCGM}
-    as_vllm = probe("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+    as_vllm = lab.probe("server", targets, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
     wrong = {t: r for t, r in as_vllm.items() if (r == "open") == (t[1] in denied)}
     assert not wrong, f"(address, port) -> result where the vLLM user's egress is wrong: {wrong}"
     # refused at once (a reset), not left to time out
     assert as_vllm[("127.0.0.1", ROUTER_API)] == "ConnectionRefusedError"
-    as_root = probe()
+    as_root = lab.probe("server", targets)
     assert all(r == "open" for r in as_root.values()), as_root
 
 
