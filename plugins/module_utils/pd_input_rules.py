@@ -16,8 +16,9 @@ from __future__ import annotations
 import ipaddress
 import re
 
-# Control characters, DEL and the Unicode line/paragraph separators: each ends or splits a config line somewhere.
-_CONTROL_RE = re.compile("[\x00-\x1f\x7f\u0085\u2028\u2029]")
+# C0 and C1 control characters, DEL and the Unicode line/paragraph separators: each ends or splits a config line
+# somewhere. The one set of them: pd_recipe's unit and env writers use it too.
+CONTROL_CHAR_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 # Instance, unit and label names: they become file names (<name>.env, vllm-<name>.service) and systemd unit names.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # A DNS name (RFC 1123 labels); an address is checked by ipaddress instead.
@@ -67,7 +68,7 @@ def check_type(field, value, kind):
 def check_text(field, value):
     """A string with no control character (a newline would split the config line it is written to)."""
     check_type(field, value, str)
-    match = _CONTROL_RE.search(value)
+    match = CONTROL_CHAR_RE.search(value)
     if match:
         raise InputError(
             f"{field}: {_short(value)} contains the control character U+{ord(match.group()):04X} at "

@@ -76,7 +76,7 @@ INSTANCE_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9-]{0,62}\Z")
 # C0/C1 control characters and the Unicode line/paragraph separators. systemd ends a unit line at \n or \r
 # (a newline in a Description= injects directives; a \r makes the unit unloadable), the env file ends an
 # entry at \n and a NUL truncates: none belongs in a name, path, flag or env value.
-CONTROL_CHAR_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+CONTROL_CHAR_RE = rules.CONTROL_CHAR_RE
 _CONTROL_CHAR_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\0": "a NUL"}
 # Flags whose value the bundle reads as a count: vLLM also parses "1k" (1000) or "1K" (1024) here, the bundle
 # does not, so only a positive integer is accepted.

@@ -146,6 +146,8 @@ def test_validate_names_the_firewall_addresses_field_of_the_wrong_type():
     ("observability_alertmanager_listen_address", "127.0.0.1 --web.config.file=/x",
      "field observability_alertmanager_listen_address: '127.0.0.1 --web.config.file=/x' is neither"),
     ("observability_alertmanager_group_wait", "5s\nroute:", "field observability_alertmanager_group_wait: '5s\\nro"),
+    # a C1 control character (Hypothesis found U+0080 passing validate while the unit writer's rule refused it)
+    ("observability_alertmanager_group_wait", "5s\x80", "field observability_alertmanager_group_wait: '5s\\x80'"),
     ("observability_alertmanager_receivers", {"name": "x"},
      "field observability_alertmanager_receivers: {'name': 'x'} is dict, expected a list"),
 ])
