@@ -7,7 +7,7 @@ script waits for recovery, keeps the load for a settle period, then reports comp
 class), the longest gap without a completion, and the recovery time.
 
     .venv/bin/python bench/pd_faults.py -i inventory/local [--scenarios kill-prefill,kill-decode,...]
-        [--concurrency 2 | --rate R [--concurrency CAP]] [--repeats N] [--max-failed 0]
+        [--concurrency 2 | --rate R [--concurrency CAP]] [--repeats N] [--max-failed 0] [--shed-ok]
         [--out reports/faults/faults-latest.json]
 
 Load: closed loop with --concurrency clients (default 2), or with --rate R an open loop at R requests/s (the
@@ -15,7 +15,9 @@ concurrency option, default 64, caps the requests in flight). --repeats N runs t
 every scenario the stack must be fully recovered (every instance's /health 200, every P/D router unit's /health 200, a
 completion through the front door), then --ready-settle-s of quiet. The summary counts failed requests per run, per
 scenario and load mode, and in total; exit 1 when the total exceeds --max-failed (default 0) or a scenario could not
-finish.
+finish. Requests the front door shed (429 with Retry-After) are reported apart; they count as failed unless --shed-ok
+(for an open loop near capacity: while a killed instance restarts the cluster serves less, and admission refuses at
+once what it cannot serve within the SLA instead of queueing it).
 
 Scenarios:
   kill-prefill   kill -9 the main process of the first prefill instance (in-flight prefills and KV transfers die);
@@ -306,27 +308,45 @@ def run_scenario(stack: Stack, name: str, args) -> dict:
     rep = load.stop()
     return {"scenario": name, "load_mode": load_mode(args), "rate": rate, "concurrency": load.cfg.workers,
             "fault_and_recovery_s": fault_s, **detail,
-            "requests": {k: rep[k] for k in ("sent", "completed", "failed", "failures", "unfinished")},
+            "requests": {k: rep[k] for k in ("sent", "completed", "failed", "failures", "unfinished",
+                                             "retry_after_missing")},
             "longest_completion_gap_s": rep["longest_completion_gap_s"],
             "latency_s": rep["latency_s"], "error_samples": rep["error_samples"]}
 
 
-def summarize(results: list[dict], max_failed: int = 0) -> dict:
-    """Failed requests per run (scenario, load mode), per scenario and load mode, and in total."""
+def shed_of(requests: dict) -> int:
+    """Requests the front door refused for overload the way it is built to: HTTP 429 with a Retry-After header. A 429
+    without one is a failure like any other status."""
+    return max(0, requests["failures"].get("http_429", 0) - requests.get("retry_after_missing", 0))
+
+
+def summarize(results: list[dict], max_failed: int = 0, shed_ok: bool = False) -> dict:
+    """Failed requests per run (scenario, load mode), per scenario and load mode, and in total. With shed_ok a 429
+    with Retry-After is counted as shed, not failed (open loop near capacity: a crash lowers the capacity until the
+    instance is back, and admission refuses what the rest cannot serve within the SLA); shed is reported either
+    way."""
     by: dict[str, dict] = {}
+    total = shed_total = 0
+    runs_with_failures = 0
     for r in results:
         key = f"{r['scenario']}/{r.get('load_mode', 'closed')}"
-        e = by.setdefault(key, {"runs": 0, "failed": 0, "sent": 0, "failed_per_run": []})
-        failed = r["requests"]["failed"]
+        e = by.setdefault(key, {"runs": 0, "failed": 0, "shed": 0, "sent": 0, "failed_per_run": [],
+                                "shed_per_run": []})
+        shed = shed_of(r["requests"])
+        failed = r["requests"]["failed"] - (shed if shed_ok else 0)
         e["runs"] += 1
         e["failed"] += failed
+        e["shed"] += shed
         e["sent"] += r["requests"]["sent"]
         e["failed_per_run"].append(failed)
-    total = sum(r["requests"]["failed"] for r in results)
+        e["shed_per_run"].append(shed)
+        total += failed
+        shed_total += shed
+        runs_with_failures += bool(failed)
     errors = [f"{r['scenario']} (run {r.get('run', 1)})" for r in results if "error" in r]
-    return {"runs": len(results), "failed_total": total, "max_failed": max_failed,
-            "runs_with_failures": sum(1 for r in results if r["requests"]["failed"]),
-            "by_scenario": by, "scenario_errors": errors,
+    return {"runs": len(results), "failed_total": total, "shed_total": shed_total, "shed_ok": shed_ok,
+            "sent_total": sum(r["requests"]["sent"] for r in results), "max_failed": max_failed,
+            "runs_with_failures": runs_with_failures, "by_scenario": by, "scenario_errors": errors,
             "passed": total <= max_failed and not errors}
 
 
@@ -352,7 +372,7 @@ def run_all(stack: Stack, names: list[str], args, out: Path | None = None, log=p
             rep = {"inventory": getattr(args, "inventory", None), "router": stack.router_url,
                    "concurrency": args.concurrency, "rate": getattr(args, "rate", None),
                    "load_mode": load_mode(args), "repeats": repeats, "results": results,
-                   "summary": summarize(results, max_failed)}
+                   "summary": summarize(results, max_failed, getattr(args, "shed_ok", False))}
             if out is not None:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(rep, indent=2) + "\n")
@@ -361,7 +381,10 @@ def run_all(stack: Stack, names: list[str], args, out: Path | None = None, log=p
 
 def print_summary(summary: dict, log=print) -> None:
     for key, e in summary["by_scenario"].items():
-        log(f"  {key}: {e['runs']} runs, failed {e['failed']} of {e['sent']} (per run {e['failed_per_run']})")
+        log(f"  {key}: {e['runs']} runs, failed {e['failed']} of {e['sent']} (per run {e['failed_per_run']}), "
+            f"shed {e['shed']} (per run {e['shed_per_run']})")
+    shed = "not failed" if summary["shed_ok"] else "counted as failed"
+    log(f"shed (429 with Retry-After, {shed}): {summary['shed_total']} of {summary['sent_total']}")
     log(f"failed requests in total: {summary['failed_total']} over {summary['runs']} runs "
         f"(max {summary['max_failed']}): {'PASS' if summary['passed'] else 'FAIL'}")
 
@@ -375,6 +398,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=None, help="open loop at this many requests/s")
     ap.add_argument("--repeats", type=int, default=1, help="run the scenario list this many times")
     ap.add_argument("--max-failed", type=int, default=0, help="failed requests allowed over all runs")
+    ap.add_argument("--shed-ok", action="store_true",
+                    help="count a 429 with Retry-After as shed, not failed (open loop near capacity, where a crash "
+                         "lowers the capacity until the instance is back); shed is reported either way")
     ap.add_argument("--ready-settle-s", type=float, default=5.0, help="quiet after the stack is recovered, "
                     "before each scenario")
     ap.add_argument("--max-tokens", type=int, default=8)

@@ -159,7 +159,8 @@ def test_repeats_wait_for_recovery_and_sum_failures(monkeypatch, tmp_path):
         (3, "kill-decode")]
     s = rep["summary"]
     assert s["failed_total"] == 3 and s["runs"] == 6 and s["runs_with_failures"] == 1 and s["passed"] is False
-    assert s["by_scenario"]["kill-decode/closed"] == {"runs": 3, "failed": 3, "sent": 30, "failed_per_run": [0, 3, 0]}
+    assert s["by_scenario"]["kill-decode/closed"] == {
+        "runs": 3, "failed": 3, "sent": 30, "failed_per_run": [0, 3, 0], "shed": 0, "shed_per_run": [0, 0, 0]}
     assert s["by_scenario"]["kill-prefill/closed"]["failed"] == 0
     saved = json.loads(out.read_text())
     assert saved["results"] == rep["results"] and saved["concurrency"] == 2 and saved["router"] == "http://x"
@@ -179,3 +180,27 @@ def test_main_exit_code_follows_max_failed(monkeypatch, tmp_path, capsys):
     _fake_runs(monkeypatch, {(1, "kill-router"): 2})
     assert pd_faults.main([*argv, "--max-failed", "2"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+def _result(scenario, failures, retry_after_missing=0, sent=100):
+    failed = sum(failures.values())
+    return {"scenario": scenario, "load_mode": "open", "run": 1,
+            "requests": {"sent": sent, "completed": sent - failed, "failed": failed, "failures": failures,
+                         "unfinished": 0, "retry_after_missing": retry_after_missing}}
+
+
+def test_a_429_with_retry_after_is_shed_only_when_asked_and_always_reported():
+    results = [_result("kill-prefill", {"http_429": 7}), _result("kill-decode", {})]
+    strict = pd_faults.summarize(results)
+    assert (strict["failed_total"], strict["shed_total"], strict["passed"]) == (7, 7, False)
+    lenient = pd_faults.summarize(results, shed_ok=True)
+    assert (lenient["failed_total"], lenient["shed_total"], lenient["passed"]) == (0, 7, True)
+    assert lenient["by_scenario"]["kill-prefill/open"]["shed_per_run"] == [7]
+
+
+def test_a_429_without_retry_after_or_a_5xx_stays_a_failure_with_shed_ok():
+    results = [_result("kill-prefill", {"http_429": 5, "http_502": 2}, retry_after_missing=3)]
+    summary = pd_faults.summarize(results, shed_ok=True)
+    # 2 of the 429s carried Retry-After (shed); the 3 without it and the two 502s failed.
+    assert (summary["failed_total"], summary["shed_total"], summary["passed"]) == (5, 2, False)
+    assert summary["runs_with_failures"] == 1
