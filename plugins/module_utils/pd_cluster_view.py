@@ -264,6 +264,9 @@ def cluster_view(hosts, routers=(), monitoring=(), peers=()):
         "router_url": view_routers[0]["url"] if view_routers else None,
         "router_ca_file": view_routers[0]["ca_file"] if view_routers else None,
         "pd_router_urls": pd_router_urls,
+        # The one host pd_rollout's registry tool runs on (pd_router_urls are as it reaches them) and the dead-worker
+        # watcher with it: the watcher must respect the wanted list that `set --state` writes there.
+        "registry_host": view_routers[0]["host"] if view_routers else None,
         "prometheus_url": _url(first_mon["address"], as_port(first_mon["prometheus_port"])) if first_mon else None,
         "alertmanager": _alertmanager_api(first_mon),
         "prometheus_targets": targets,

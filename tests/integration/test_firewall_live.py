@@ -25,8 +25,9 @@ import os
 import signal
 import subprocess
 import time
+from urllib.parse import urlsplit
 
-from test_local_stack import ENV, INVENTORY, ROOT, VENV_BIN, host_cmd, playbook, record
+from test_local_stack import ENV, INVENTORY, ROOT, VENV_BIN, cluster, host_cmd, playbook, record
 from test_local_stack import inventory as _inventory_fixture
 
 inventory = _inventory_fixture  # the session fixture of test_local_stack.py
@@ -54,8 +55,18 @@ def probe(host: str, targets: list[str], user: str = "") -> dict:
     return json.loads(host_cmd(host, script, timeout=120).strip().splitlines()[-1])
 
 
-# The router/monitoring host's front door, Prometheus, node exporter and mtail (inventory/local's ports).
-ROUTER_HOST_PORTS = (8000, 9090, 9100, 3903)
+def node_exporter_port(view: dict, host: str) -> int:
+    """The host's node exporter port, as Prometheus scrapes it (the cluster view's targets)."""
+    target = next(t["target"] for t in view["prometheus_targets"]["node"] if t["labels"]["host"] == host)
+    return int(target.rsplit(":", 1)[1])
+
+
+def router_host_ports(view: dict, router: str) -> list[int]:
+    """The router/monitoring host's ports other than the router units': the front door, its metrics (mtail),
+    Prometheus and the node exporter, all from the cluster view."""
+    r = next(r for r in view["routers"] if r["host"] == router)
+    return sorted({r["client_port"], r["frontdoor_metrics_port"], urlsplit(view["prometheus_url"]).port,
+                   node_exporter_port(view, router)})
 
 
 def _stack(inventory):
@@ -69,18 +80,19 @@ def _stack(inventory):
 
 def test_each_service_is_reachable_only_from_the_hosts_that_need_it(inventory):
     hv = inventory["hostvars"]
+    view = cluster()[0]
     prefill, decode, router, r_addr = _stack(inventory)
     p_addr, d_addr = prefill["address"], decode["address"]
     router_metrics = [u["metrics_port"] for u in hv[router]["pd_router_units"]]
     expect = {
         prefill["host"]: {
-            **{f"{r_addr}:{p}": "dropped" for p in [*ROUTER_HOST_PORTS, *router_metrics]},
+            **{f"{r_addr}:{p}": "dropped" for p in [*router_host_ports(view, router), *router_metrics]},
             f"{d_addr}:{decode['http_port']}": "dropped",
         },
         router: {
             **{f"{i['address']}:{i['http_port']}": "open" for i in inventory["instances"]},
-            f"{p_addr}:9100": "open",
-            f"{d_addr}:9100": "open",
+            f"{p_addr}:{node_exporter_port(view, prefill['host'])}": "open",
+            f"{d_addr}:{node_exporter_port(view, decode['host'])}": "open",
             f"{p_addr}:{prefill['nixl_side_channel_port']}": "dropped",
         },
         decode["host"]: {
@@ -97,10 +109,12 @@ def test_each_service_is_reachable_only_from_the_hosts_that_need_it(inventory):
 
 def test_a_vllm_process_reaches_only_vllm_services(inventory):
     hv = inventory["hostvars"]
+    view = cluster()[0]
     prefill, decode, router, r_addr = _stack(inventory)
     user = hv[decode["host"]].get("pd_vllm_user", "vllm")
     unit_ports = [p for u in hv[router]["pd_router_units"] for p in (u["port"], u["metrics_port"])]
-    refused = [f"{r_addr}:{p}" for p in [*ROUTER_HOST_PORTS, *unit_ports]] + [f"{prefill['address']}:9100"]
+    refused = [f"{r_addr}:{p}" for p in [*router_host_ports(view, router), *unit_ports]] + [
+        f"{prefill['address']}:{node_exporter_port(view, prefill['host'])}"]
     own = f"{prefill['address']}:{prefill['nixl_side_channel_port']}"
     found = probe(decode["host"], sorted([*refused, own]), user=user)
     as_root = probe(decode["host"], sorted(refused))

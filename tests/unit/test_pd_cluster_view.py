@@ -78,6 +78,9 @@ def test_b300_view_is_mains():
     assert Path(v["router_ca_file"]).resolve() == ROOT / ".cache" / "tls" / "ca.crt"
     assert v["prometheus_url"] == "http://192.0.2.13:9090"
     assert v["pd_router_urls"] == ["http://127.0.0.1:8001", "http://192.0.2.12:8001"]
+    # The loopback URL is the registry host's own router: the change path's registry tool and the dead-worker
+    # watcher run there, one value for both (pd_rollout_router_host, pd_router_watch_host).
+    assert v["registry_host"] == "b300-03"
     fw = v["firewall"]["hosts"]
     assert fw["b300-01"]["instance_ports"] == [5600, 5601, 5602, 5603, 5610, 5611, 5612, 5613, 8100, 8101, 13345,
                                                13355]
