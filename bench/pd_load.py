@@ -28,7 +28,7 @@ Library use (a pytest integration test around a playbook run):
 
 Runs on Python >= 3.9 where the collection b300.pd is importable (the control venv): its settings are
 bench/pd_load_config.py, one request bench/pd_load_request.py, the generator and its report
-bench/pd_load_generator.py; its prompts are the verify script's (roles/pd_verify/files/pd_verify.py).
+bench/pd_load_generator.py; its prompts are the verify package's (roles/pd_verify/files/pd_verify/prompts.py).
 """
 
 from __future__ import annotations

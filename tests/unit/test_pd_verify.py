@@ -1,4 +1,4 @@
-"""roles/pd_verify/files/pd_verify.py against stdlib fake vLLM servers (real HTTP on 127.0.0.1).
+"""roles/pd_verify/files/pd_verify (the package) against stdlib fake vLLM servers (real HTTP on 127.0.0.1).
 
 The fakes speak the parts of vLLM's API the script uses (/health, /v1/models, /v1/completions with
 return_token_ids and SSE streaming, /v1/chat/completions, /tokenize, /metrics) and Prometheus' /api/v1/query.
@@ -9,7 +9,9 @@ count) — or, when told to, recomputes (local_compute only) or corrupts a token
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +19,12 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+import yaml
 from ansible_collections.b300.pd.roles.pd_verify.files import pd_verify as pv
+from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify.client import HttpError
+from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify.metrics import metric_sum, parse_prometheus
+from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify.sla import summarize_bench
+from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify.steps import _warm, context_lengths, step_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -303,13 +310,13 @@ def test_summarize_bench_uses_vllm_bench_definitions():
     recs = [{"ttft_s": 0.1, "e2e_s": 1.1, "output_tokens": 11},  # tpot 100 ms
             {"ttft_s": 0.3, "e2e_s": 0.8, "output_tokens": 11},  # tpot 50 ms
             {"error": "boom"}]
-    s = pv.summarize_bench(recs, duration_s=2.0, ttft_slo_ms=200, tpot_slo_ms=60)
+    s = summarize_bench(recs, duration_s=2.0, ttft_slo_ms=200, tpot_slo_ms=60)
     assert s["completed"] == 2 and s["failed"] == 1
     assert s["mean_ttft_ms"] == pytest.approx(200.0)
     assert s["mean_tpot_ms"] == pytest.approx(75.0)
     assert s["good_requests"] == 0  # first misses TPOT, second misses TTFT
     assert s["output_throughput_tok_s"] == pytest.approx(11.0)
-    s = pv.summarize_bench(recs[:2], duration_s=2.0, ttft_slo_ms=300, tpot_slo_ms=100)
+    s = summarize_bench(recs[:2], duration_s=2.0, ttft_slo_ms=300, tpot_slo_ms=100)
     assert s["good_requests"] == 2 and s["goodput_req_s"] == pytest.approx(1.0)
 
 
@@ -340,22 +347,22 @@ def test_parse_prometheus_real_exposition():
         'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny-pd"} 3.0\n'
         'weird{label="a \\"quoted\\" b"} 1e3\n'
     )
-    s = pv.parse_prometheus(text)
-    assert pv.metric_sum(s, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 496.0
-    assert pv.metric_sum(s, "vllm:prompt_tokens_by_source_total") == 499.0
-    assert pv.metric_sum(s, "vllm:nixl_xfer_time_seconds_count") == 3.0
-    assert pv.metric_sum(s, "nope") is None
-    assert pv.metric_sum(s, "weird") == 1000.0
+    s = parse_prometheus(text)
+    assert metric_sum(s, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 496.0
+    assert metric_sum(s, "vllm:prompt_tokens_by_source_total") == 499.0
+    assert metric_sum(s, "vllm:nixl_xfer_time_seconds_count") == 3.0
+    assert metric_sum(s, "nope") is None
+    assert metric_sum(s, "weird") == 1000.0
 
 
 def test_context_lengths_clip_to_window_and_refuse_impossible():
     cfg = {"max_model_len": 4096, "warmup": {"output_tokens": 16, "context_min_tokens": 256,
                                              "context_max_tokens": 262144, "context_points": 3}}
-    lengths = pv.context_lengths(cfg)
+    lengths = context_lengths(cfg)
     assert lengths[0] == 256 and lengths[-1] == 4096 - 16 - 8 and len(lengths) == 3
     cfg["max_model_len"] = 16
     with pytest.raises(ValueError, match="does not fit the model window 16"):
-        pv.context_lengths(cfg)
+        context_lengths(cfg)
 
 
 def test_prometheus_per_pool_values():
@@ -377,11 +384,11 @@ def test_prometheus_per_pool_values():
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
-        res = pv.step_prometheus({"prometheus": {"url": url, "required": True,
-                                                 "queries": {"ttft": "ttft_q", "tpot": "empty_q"}}})
+        res = step_prometheus({"prometheus": {"url": url, "required": True,
+                                              "queries": {"ttft": "ttft_q", "tpot": "empty_q"}}})
         assert res["values"]["ttft"] == {"prefill": 0.25, "decode": None}
         assert not res["ok"] and "tpot: no series" in res["errors"][0]
-        res = pv.step_prometheus({"prometheus": {"url": url, "required": False, "queries": {"tpot": "empty_q"}}})
+        res = step_prometheus({"prometheus": {"url": url, "required": False, "queries": {"tpot": "empty_q"}}})
         assert res["ok"] and res["warnings"]
     finally:
         srv.shutdown()
@@ -411,18 +418,18 @@ def test_warmup_request_is_retried_once_and_reported():
         def fn():
             calls.append(1)
             if len(calls) <= fails:
-                raise pv.HttpError("POST /v1/completions: HTTP 500 (handshake_setup_failed)")
+                raise HttpError("POST /v1/completions: HTTP 500 (handshake_setup_failed)")
             return {}
         return fn
 
     # first contact fails (NIXL handshake timeout), the retry passes: reported, not a failure
-    first, final = pv._warm(flaky(1), sleep=lambda _s: None)
+    first, final = _warm(flaky(1), sleep=lambda _s: None)
     assert "handshake_setup_failed" in first and final is None
     calls.clear()
-    first, final = pv._warm(flaky(2), sleep=lambda _s: None)
+    first, final = _warm(flaky(2), sleep=lambda _s: None)
     assert first and final  # failed twice: the step fails
     calls.clear()
-    assert pv._warm(flaky(0), sleep=lambda _s: None) == (None, None) and len(calls) == 1
+    assert _warm(flaky(0), sleep=lambda _s: None) == (None, None) and len(calls) == 1
 
 
 def test_warmup_step_reports_each_instance_alone_and_fails_on_one(cluster):
@@ -446,3 +453,19 @@ def test_warmup_step_reports_each_instance_alone_and_fails_on_one(cluster):
                                "failed: HTTP 500"]
     # the warmup through the router still ran
     assert [r["concurrency"] for r in rep["steps"]["warmup"]["runs"] if r["kind"] == "batch"] == [1, 2]
+
+
+def test_the_package_run_yml_installs_runs_with_a_bare_python(tmp_path):
+    """The router host has only what run.yml copies into pd_verify_workdir (every .py of files/pd_verify, the glob of
+    its loop) and runs `python3 -m pd_verify` there with the system python3, without the collection."""
+    tasks = {t["name"]: t for t in yaml.safe_load((ROOT / "roles/pd_verify/tasks/run.yml").read_text())}
+    assert "'/files/pd_verify/*.py'" in tasks["Install the verify package"]["loop"]
+    run = tasks["Run readiness, warmup, KV-transfer, accuracy, SLA and Prometheus checks"]["ansible.builtin.command"]
+    assert run["argv"][1:3] == ["-m", "pd_verify"] and run["chdir"] == "{{ pd_verify_workdir }}"
+    package = tmp_path / "workdir" / "pd_verify"
+    package.mkdir(parents=True)
+    for src in (ROOT / "roles/pd_verify/files/pd_verify").glob("*.py"):
+        shutil.copy(src, package / src.name)
+    out = subprocess.run(["/usr/bin/python3", "-m", "pd_verify", "--help"], cwd=package.parent,
+                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=False, timeout=60)
+    assert out.returncode == 0 and "--merge REPORT" in out.stdout, out
