@@ -11,8 +11,9 @@ The module itself stays pure and runs as before (check mode included); the resul
 recipe it checked) for the tasks after it.
 
 The inventory outside the topology (router, front door, firewall, Alertmanager vars and the addresses of the hosts
-without vLLM instances: pd_topology.validate_inventory) is checked here, with the same shared rules as the writers;
-its problems join the module's in one failure, and the cluster view is then not composed from the refused values.
+without vLLM instances: pd_inventory_rules.validate_inventory) is checked here, with the same shared rules as the
+writers; its problems join the module's in one failure, and the cluster view is then not composed from the refused
+values.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from ansible.errors import AnsibleError
 from ansible.plugins.action import ActionBase
 from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_inputs import inventory_values, topology_args
-from ansible_collections.b300.pd.plugins.module_utils.pd_topology import INVENTORY_VARS, validate_inventory
+from ansible_collections.b300.pd.plugins.module_utils.pd_inventory_rules import INVENTORY_VARS, validate_inventory
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_role_defaults import role_defaults
 
 

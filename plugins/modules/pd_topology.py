@@ -140,9 +140,9 @@ cluster:
       {instance_ports, router_ports, client_ports}, C(groups) (the host sets the port matrix names, vllm, prefill,
       decode, router, monitoring), C(rules) host -> [{service, ports, from, sources}] (the per-service port matrix,
       plugins/module_utils/pd_topology_ports.py) and C(problems) (what the matrix could not place).
-    - The inventory checks of issue 32 (pd_topology.validate_inventory with plugins/module_utils/pd_input_rules.py,
-      over the router, front door, firewall and Alertmanager vars and every non-vLLM host's address) run in the
-      action plugin and fail the task with the module's own problems.
+    - The inventory checks of issue 32 (pd_inventory_rules.validate_inventory with
+      plugins/module_utils/pd_input_rules.py, over the router, front door, firewall and Alertmanager vars and every
+      non-vLLM host's address) run in the action plugin and fail the task with the module's own problems.
   returned: when the topology is valid and O(inventory) is given or gathered (always as a task)
   type: dict
   sample:

@@ -25,13 +25,16 @@ from __future__ import annotations
 import json
 
 from ansible_collections.b300.pd.plugins.module_utils.pd_input_rules import check_host, check_strings, check_text
-from ansible_collections.b300.pd.plugins.module_utils.pd_topology import ROUTER_OWNED_FLAGS, check_router_extra_args
+from ansible_collections.b300.pd.plugins.module_utils.pd_inventory_rules import (
+    ROUTER_OWNED_FLAGS,
+    check_router_extra_args,
+)
 from ansible_collections.b300.pd.plugins.plugin_utils.pd_filter_errors import fail
 
 POOLS = ("prefill", "decode")
 
 # Flags the role renders itself; extra_args must not set them (two sources of truth). One list, in module_utils:
-# playbooks/validate.yml refuses them too (pd_topology.check_router_extra_args).
+# playbooks/validate.yml refuses them too (pd_inventory_rules.check_router_extra_args).
 _OWNED_FLAGS = ROUTER_OWNED_FLAGS
 
 

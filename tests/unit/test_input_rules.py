@@ -17,7 +17,7 @@ import pytest
 import yaml
 from ansible_collections.b300.pd.bench.pd_cluster import inventory_data
 from ansible_collections.b300.pd.plugins.module_utils import pd_input_rules as rules
-from ansible_collections.b300.pd.plugins.module_utils import pd_topology, pd_unit
+from ansible_collections.b300.pd.plugins.module_utils import pd_inventory_rules, pd_topology, pd_unit
 from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_inputs import inventory_values
 from ansible_collections.b300.pd.plugins.module_utils.pd_cluster_view import TopologyError, cluster_view, view_inputs
 from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import RecipeError
@@ -46,7 +46,8 @@ def _base():
 
 def _inventory_problems(gw=None, v1=None):
     hostvars = {"v1": {"ansible_host": "192.0.2.11", **(v1 or {})}, "gw": {"ansible_host": "192.0.2.20", **(gw or {})}}
-    return pd_topology.validate_inventory(GROUPS, inventory_values(GROUPS, hostvars, pd_topology.INVENTORY_VARS))
+    values = inventory_values(GROUPS, hostvars, pd_inventory_rules.INVENTORY_VARS)
+    return pd_inventory_rules.validate_inventory(GROUPS, values)
 
 
 # --- the shared rules ---------------------------------------------------------------------------------------------
@@ -182,13 +183,13 @@ def test_validate_refuses_an_instance_name_that_leaves_its_directory():
 @pytest.mark.parametrize("inv", ["b300", "local"])
 def test_shipped_inventories_and_role_defaults_pass_the_inventory_rules(inv):
     groups, hostvars = inventory_data(ROOT / "inventory" / inv)
-    values = inventory_values(groups, hostvars, pd_topology.INVENTORY_VARS)
+    values = inventory_values(groups, hostvars, pd_inventory_rules.INVENTORY_VARS)
     assert any(values[h] for h in groups["all"])  # it did read something
-    assert pd_topology.validate_inventory(groups, values) == []
+    assert pd_inventory_rules.validate_inventory(groups, values) == []
     # The roles' own defaults (a Jinja default is the collection's own and not checked) pass too.
     defaults = {var: value for role in role_defaults().values() for var, value in role.items()
-                if var in pd_topology.INVENTORY_VARS and "{{" not in str(value)}
-    assert pd_topology.validate_inventory(GROUPS, {"v1": defaults, "gw": defaults}) == []
+                if var in pd_inventory_rules.INVENTORY_VARS and "{{" not in str(value)}
+    assert pd_inventory_rules.validate_inventory(GROUPS, {"v1": defaults, "gw": defaults}) == []
 
 
 # --- validate.yml itself on the b300 inventory changed in one place per case --------------------------------------

@@ -1,8 +1,8 @@
 """Property test (issue 18): whatever hostile topology reaches pd_topology, it answers with problem lines or
 success, never another exception; and what it accepts renders units and env files with nothing injected.
 Issue 32 adds the inventory outside the topology (router, front door, firewall, Alertmanager vars and the address of
-a router-only host: pd_topology.validate_inventory) and the env vars whose paths the unit makes writable: what the
-validation accepts, the writers write as one word / one line.
+a router-only host: pd_inventory_rules.validate_inventory) and the env vars whose paths the unit makes writable: what
+the validation accepts, the writers write as one word / one line.
 
 Generated from the real b300 inventory by mutations: wrong types, control characters, odd unicode, huge
 numbers, nan/inf, ports copied from another listener, whole host vars / recipe / sla / services replaced.
@@ -15,7 +15,7 @@ import ipaddress
 import shlex
 
 from ansible_collections.b300.pd.plugins.module_utils import pd_input_rules as rules
-from ansible_collections.b300.pd.plugins.module_utils import pd_recipe, pd_topology, pd_unit
+from ansible_collections.b300.pd.plugins.module_utils import pd_inventory_rules, pd_recipe, pd_topology, pd_unit
 from ansible_collections.b300.pd.plugins.plugin_utils import pd_frontdoor, pd_router
 from ansible_collections.b300.pd.tests.unit.pd_testlib import load_inventory, topology_input
 from hypothesis import HealthCheck, given, settings
@@ -341,7 +341,7 @@ def _strings(value):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(inventories())
 def test_hostile_inventory_gets_problems_or_is_written_safely(hostvars):
-    problems = pd_topology.validate_inventory(GROUPS, hostvars)
+    problems = pd_inventory_rules.validate_inventory(GROUPS, hostvars)
     assert isinstance(problems, list) and all(isinstance(p, str) and p.startswith("host ") for p in problems)
     if not problems:
         _assert_written_safely(hostvars["gw"])
@@ -355,5 +355,5 @@ def _rule(var, host):
     if var == "ansible_host":
         return rules.check_host if host == "gw" else (lambda _f, v: v)  # a vLLM host's: validate_topology's
     groups = [g for g in GROUPS if host in GROUPS[g]]
-    checks = [check for group, name, check in pd_topology.INVENTORY_RULES if name == var and group in groups]
+    checks = [check for group, name, check in pd_inventory_rules.INVENTORY_RULES if name == var and group in groups]
     return checks[0] if checks else (lambda _f, v: v)
