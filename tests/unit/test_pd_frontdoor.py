@@ -831,14 +831,14 @@ def test_tls_by_default_with_the_bundles_ca(tmp_path):
             # A client that does not trust the bundle's CA is refused by its own TLS check.
             with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
                 urllib.request.urlopen(req, timeout=20, context=ssl.create_default_context())
-            # roles/pd_verify's script (urllib's default context) trusts the CA it gets as SSL_CERT_FILE (run.yml).
-            probe = ("import sys; sys.path.insert(0, sys.argv[1]); import pd_verify; "
-                     "print(pd_verify.http_get(sys.argv[2], api_key=sys.argv[3])[0])")
+            # roles/pd_verify's package (urllib's default context) trusts the CA it gets as SSL_CERT_FILE (run.yml),
+            # imported as run.yml runs it: a bare python3 in the directory that holds the package.
+            probe = "import sys, pd_verify; print(pd_verify.http_get(sys.argv[1], api_key=sys.argv[2])[0])"
             url = f"https://127.0.0.1:{port}/v1/models"
             cases = (({"SSL_CERT_FILE": str(ca_dir / "ca.crt")}, "200"), ({}, "CERTIFICATE_VERIFY_FAILED"))
             for env, expected in cases:
-                out = subprocess.run(["/usr/bin/python3", "-c", probe, str(ROOT / "roles" / "pd_verify" / "files"), url,
-                                      KEY], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **env},
+                out = subprocess.run(["/usr/bin/python3", "-c", probe, url, KEY], cwd=ROOT / "roles/pd_verify/files",
+                                     capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **env},
                                      check=False, timeout=60)
                 assert expected in out.stdout + out.stderr, out
     finally:
