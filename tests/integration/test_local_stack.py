@@ -35,6 +35,10 @@ ENV = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), PATH=f"{VENV_BI
 from ansible_collections.b300.pd.bench.pd_cluster import inventory_data, view_from  # noqa: E402
 from ansible_collections.b300.pd.bench.pd_load_config import client_api_key  # noqa: E402
 from ansible_collections.b300.pd.bench.pd_load_generator import LoadGenerator  # noqa: E402
+from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify.metrics import (  # noqa: E402
+    metric_sum,
+    parse_prometheus,
+)
 
 # The steady load of the fault and change tests: open loop, 4 requests a second (at most 4 in flight), through the
 # front door. Closed-loop workers (concurrency 2, as fast as the stack answers: ~20 req/s) kept both cores busy
@@ -286,9 +290,9 @@ def frontdoor_paths(router: str) -> dict:
     """Requests the front door has served, by path (pd | colocated | none), from its mtail metrics."""
     text = host_cmd(router, "curl -sf http://127.0.0.1:3903/metrics")
     out: dict = {}
-    for m in re.finditer(r'^pd_frontdoor_requests_total\{([^}]*)\} (\S+)$', text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        out[labels.get("path", "?")] = out.get(labels.get("path", "?"), 0) + float(m.group(2))
+    for name, labels, value in parse_prometheus(text):
+        if name == "pd_frontdoor_requests_total":
+            out[labels.get("path", "?")] = out.get(labels.get("path", "?"), 0) + value
     return out
 
 
@@ -296,8 +300,7 @@ def nixl_transfers(inst: dict, router: str) -> float:
     """KV transfers an instance has pulled over NIXL (vllm:nixl_xfer_time_seconds_count on its /metrics, read from
     the router host as Prometheus does)."""
     text = host_cmd(router, f"curl -sf {inst['url']}/metrics")
-    samples = re.finditer(r'^vllm:nixl_xfer_time_seconds_count(?:\{[^}]*\})? (\S+)$', text, re.M)
-    return sum(float(m.group(1)) for m in samples)
+    return metric_sum(parse_prometheus(text), "vllm:nixl_xfer_time_seconds_count") or 0.0
 
 
 def test_decode_kill_under_load_fails_no_request(inventory):

@@ -459,18 +459,18 @@ class _KeyedServer:
 
 
 def test_pd_verify_sends_the_workers_key_to_instances_and_the_client_key_to_the_router():
-    from ansible_collections.b300.pd.roles.pd_verify.files import pd_verify as pv
+    from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify.steps import _completion, step_readiness
 
     worker, router = _KeyedServer("W0rker"), _KeyedServer("Cl1ent")
     try:
         cfg = {"router_url": router.url, "model": "m", "api_key": "Cl1ent", "worker_api_key": "W0rker",
                "instances": [{"name": "prefill-0", "url": worker.url}],
                "readiness": {"retries": 1, "delay_s": 0, "timeout_s": 5}}
-        res = pv.step_readiness(cfg, sleep=lambda s: None)
+        res = step_readiness(cfg, sleep=lambda s: None)
         assert res["ok"], res
         # the colocated side of the KV-transfer check goes to the instance itself
-        assert pv._completion(worker.url, "m", "hi", 1, cfg)["choices"]
-        assert pv._completion(router.url, "m", "hi", 1, cfg)["choices"]
+        assert _completion(worker.url, "m", "hi", 1, cfg)["choices"]
+        assert _completion(router.url, "m", "hi", 1, cfg)["choices"]
         # neither key goes where the other belongs
         assert {a for p, a in worker.seen if p.startswith("/v1")} == {"Bearer W0rker"}
         assert {a for p, a in router.seen if p.startswith("/v1")} == {"Bearer Cl1ent"}

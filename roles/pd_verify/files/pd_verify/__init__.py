@@ -33,8 +33,8 @@ from .metrics import metric_sum, parse_prometheus
 from .prompts import PromptMaker, word_prompt
 from .report import STEPS, merge_steps, render_markdown, run_all
 from .sla import percentile, run_bench, summarize_bench
-from .steps import _completion, step_readiness
+from .steps import step_readiness
 
 # What the collection's other code imports from pd_verify.
-__all__ = ["STEPS", "PromptMaker", "_completion", "http_get", "main", "merge_steps", "metric_sum", "parse_prometheus",
-           "percentile", "render_markdown", "run_all", "run_bench", "step_readiness", "summarize_bench", "word_prompt"]
+__all__ = ["STEPS", "PromptMaker", "http_get", "main", "merge_steps", "metric_sum", "parse_prometheus", "percentile",
+           "render_markdown", "run_all", "run_bench", "step_readiness", "summarize_bench", "word_prompt"]
