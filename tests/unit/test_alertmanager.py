@@ -9,7 +9,6 @@ Rendering is the same as tests/unit/test_prometheus_rules.py's (role defaults re
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.b300.pd.tests.integration import alert_webhook
 from ansible_collections.b300.pd.tests.unit.test_prometheus_rules import (
     ROLE,
     ROOT,
@@ -242,19 +242,6 @@ def test_listen_on_all_addresses_still_points_prometheus_at_loopback(tmp_path):
     assert f"--config.file={ctx['observability_alertmanager_config_path']}" in line
 
 
-def _alert_delivery_module():
-    """tests/integration/test_alert_delivery.py, loaded without collecting it (its receiver and parsers)."""
-    integration = ROOT / "tests" / "integration"
-    sys.path.insert(0, str(integration))
-    try:
-        spec = importlib.util.spec_from_file_location("alert_delivery_e2e", integration / "test_alert_delivery.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(integration))
-    return mod
-
-
 def _post(url: str, body: bytes) -> int:
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
@@ -266,9 +253,8 @@ def _post(url: str, body: bytes) -> int:
 
 def test_e2e_webhook_receiver_records_alertmanager_payloads(tmp_path):
     """Dry run of the end-to-end test's receiver on 127.0.0.1 with Alertmanager's webhook payload (version 4)."""
-    e2e = _alert_delivery_module()
     out = tmp_path / "received.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", e2e.RECEIVER, str(out), "127.0.0.1", "0", "/alerts"],  # noqa: S603
+    proc = subprocess.Popen([sys.executable, "-c", alert_webhook.RECEIVER, str(out), "127.0.0.1", "0", "/alerts"],  # noqa: S603
                             stdout=subprocess.PIPE, text=True)
     try:
         word, port = proc.stdout.readline().split()
@@ -292,9 +278,9 @@ def test_e2e_webhook_receiver_records_alertmanager_payloads(tmp_path):
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert got == [body, resolved]
     want = {"alertname": "VllmInstanceDown", "instance_name": "decode-0"}
-    started = e2e.timestamp("2026-12-05T10:20:30Z")
-    assert e2e.matching(got, "firing", want, started) == [alert]
-    assert e2e.matching(got, "firing", want, started + 1) == []  # an older firing alert does not count
-    assert e2e.matching(got, "resolved", want, started) == resolved["alerts"]
-    assert e2e.matching(got, "firing", {**want, "instance_name": "prefill-0"}, started) == []
-    assert e2e.duration_s("1m30s") == 90 and e2e.duration_s("500ms") == 0.5
+    started = alert_webhook.timestamp("2026-12-05T10:20:30Z")
+    assert alert_webhook.matching(got, "firing", want, started) == [alert]
+    assert alert_webhook.matching(got, "firing", want, started + 1) == []  # an older firing alert does not count
+    assert alert_webhook.matching(got, "resolved", want, started) == resolved["alerts"]
+    assert alert_webhook.matching(got, "firing", {**want, "instance_name": "prefill-0"}, started) == []
+    assert alert_webhook.duration_s("1m30s") == 90 and alert_webhook.duration_s("500ms") == 0.5
