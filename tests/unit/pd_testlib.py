@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,25 @@ from ansible_collections.b300.pd.plugins.module_utils.pd_recipe import RECIPE_KE
 ROOT = Path(__file__).resolve().parents[2]
 # The control node's pinned vLLM venv (scripts/bootstrap.d/45-vllm-venv): tests that run vLLM's own parser use it.
 VLLM_VENV_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
+
+
+def run_vllm_plugin_child(module: str, program: str, env: dict) -> dict:
+    """Run `program` with the vLLM venv's Python, where it imports the bundle's vLLM plugin `module` by name (the
+    bootstrap installs roles/vllm_install/files/<module>.py there, as the role does on the hosts): the last line it
+    prints, as JSON. Skips where the venv is missing; fails where the venv's copy of the plugin is not the repo's."""
+    if not VLLM_VENV_PY.exists():
+        pytest.skip(f"{VLLM_VENV_PY} missing: run scripts/bootstrap --local (stage 45-vllm-venv)")
+    source = ROOT / "roles" / "vllm_install" / "files" / f"{module}.py"
+    installed = subprocess.run(  # noqa: S603
+        [str(VLLM_VENV_PY), "-c", f"import {module}; print({module}.__file__)"], env=env, capture_output=True,
+        text=True, timeout=120, check=False)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    assert Path(installed.stdout.strip()).read_bytes() == source.read_bytes(), (
+        f"{VLLM_VENV_PY}'s {module}.py is not the repo's: run scripts/bootstrap --local (stage 45-vllm-venv)")
+    proc = subprocess.run([str(VLLM_VENV_PY), "-c", program], env=env, capture_output=True, text=True,  # noqa: S603
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def load_library(name: str):

@@ -11,22 +11,14 @@ skipped with that reason where it is missing. The argument checks run in the con
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 from ansible_collections.b300.pd.roles.vllm_install.files import pd_shm_notify
-
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / ".cache" / "vllm-venv" / "bin" / "python"
-# scripts/bootstrap.d/45-vllm-venv installs it there, as roles/vllm_install does on the hosts
-PLUGIN_SOURCE = ROOT / "roles" / "vllm_install" / "files" / "pd_shm_notify.py"
+from ansible_collections.b300.pd.tests.unit.pd_testlib import run_vllm_plugin_child
 
 CHILD = r"""
-import hashlib, json, os, sys, tempfile, time
+import json, os, sys, tempfile, time
 import zmq
 from vllm.distributed.device_communicators import shm_broadcast as sb
 import pd_shm_notify as plugin
@@ -71,23 +63,14 @@ plugin.register()
 plugin.register()  # vLLM loads general plugins more than once per process
 measured = delivered()
 steps["set"] = {**plugin.applied, **measured}
-steps["source_sha256"] = hashlib.sha256(open(plugin.__file__, "rb").read()).hexdigest()
 print(json.dumps(steps))
 """
 
 
 @pytest.fixture(scope="module")
 def child() -> dict:
-    if not VLLM_PY.exists():
-        pytest.skip(f"{VLLM_PY} missing: run scripts/bootstrap --local (stage 45-vllm-venv)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PD_SHM_")}
-    proc = subprocess.run([str(VLLM_PY), "-c", CHILD], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["source_sha256"] == hashlib.sha256(PLUGIN_SOURCE.read_bytes()).hexdigest(), (
-        f"{VLLM_PY}'s {PLUGIN_SOURCE.name} is not the repo's: run scripts/bootstrap --local (stage 45-vllm-venv)")
-    return out
+    return run_vllm_plugin_child("pd_shm_notify", CHILD, env)
 
 
 def test_vllms_own_wakeup_socket_drops_wakeups_without_the_plugin(child):
