@@ -36,24 +36,39 @@ def gen_ids(prompt, n):
     return [(base + 7 * i) % 997 for i in range(n)]
 
 
-class State:
+class DecodeCounters:
+    """One decode instance's KV counters as its /metrics shows them."""
+
     def __init__(self):
-        self.lock = threading.Lock()
         self.kv_transfer = 0.0
         self.local_compute = 0.0
         self.nixl = 0
         self.nixl_failed = None  # None: counter not exposed yet
+
+
+class State:
+    def __init__(self, decodes=("decode-0",)):
+        self.lock = threading.Lock()
+        self.kv = {d: DecodeCounters() for d in decodes}
+        self.starved = set()  # decode instances the router never picks (a router that lost them)
+        self.picks = 0
         self.fail_transfers = False
         self.pd_corrupt_at = None  # position where the P/D path returns a different token
         self.recompute = False  # P/D path computes locally instead of transferring
         self.expose_kv_metrics = True
-        self.models = {"prefill-0": [MODEL], "decode-0": [MODEL], "router": [MODEL]}
-        self.health = {"prefill-0": 200, "decode-0": 200, "router": 200}
+        self.models = {"prefill-0": [MODEL], "router": [MODEL], **{d: [MODEL] for d in decodes}}
+        self.health = {"prefill-0": 200, "router": 200, **{d: 200 for d in decodes}}
         self.router_igw = False  # router answers /v1/models as vllm-router in IGW mode does
         self.answers = {}  # prompt -> text the model answers
         self.ttft_s = 0.0
         self.token_s = 0.0
         self.requests = []
+
+    def pick_decode(self) -> DecodeCounters:
+        """The router's round robin over the decode instances it has."""
+        live = [d for d in self.kv if d not in self.starved]
+        self.picks += 1
+        return self.kv[live[(self.picks - 1) % len(live)]]
 
 
 def make_handler(name, st):
@@ -77,23 +92,24 @@ def make_handler(name, st):
                 if name == "router" and st.router_igw:  # vllm-router --enable-igw's own shape
                     return self._send(200, {"models": st.models[name]})
                 return self._send(200, {"object": "list", "data": [{"id": m} for m in st.models[name]]})
-            if path == "/metrics" and name == "decode-0":
+            if path == "/metrics" and name in st.kv:
+                kv = st.kv[name]
                 lines = ["# HELP vllm:num_requests_running x", f'vllm:num_requests_running{{model_name="{MODEL}"}} 0']
                 if st.expose_kv_metrics:
                     lines += [
                         "# TYPE vllm:prompt_tokens_by_source_total counter",
                         f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",'
-                        f'source="external_kv_transfer"}} {st.kv_transfer}',
+                        f'source="external_kv_transfer"}} {kv.kv_transfer}',
                         f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="local_compute"}} '
-                        f"{st.local_compute}",
+                        f"{kv.local_compute}",
                         f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",'
                         'source="local_cache_hit"} 0.0',
-                        f'vllm:nixl_xfer_time_seconds_count{{engine="0",model_name="{MODEL}"}} {st.nixl}',
-                        f'vllm:nixl_xfer_time_seconds_sum{{engine="0",model_name="{MODEL}"}} {st.nixl * 0.01}',
+                        f'vllm:nixl_xfer_time_seconds_count{{engine="0",model_name="{MODEL}"}} {kv.nixl}',
+                        f'vllm:nixl_xfer_time_seconds_sum{{engine="0",model_name="{MODEL}"}} {kv.nixl * 0.01}',
                     ]
-                    if st.nixl_failed is not None:
+                    if kv.nixl_failed is not None:
                         lines.append(f'vllm:nixl_num_failed_transfers_total{{engine="0",model_name="{MODEL}"}} '
-                                     f"{st.nixl_failed}")
+                                     f"{kv.nixl_failed}")
                 return self._send(200, "\n".join(lines) + "\n", "text/plain")
             return self._send(404, {"error": "not found"})
 
@@ -115,14 +131,15 @@ def make_handler(name, st):
             if name == "router":
                 ntok = len(prompt.split())
                 with st.lock:
+                    kv = st.pick_decode()
                     if st.recompute:
-                        st.local_compute += ntok
+                        kv.local_compute += ntok
                     else:
-                        st.kv_transfer += ntok - 1
-                        st.local_compute += 1
-                        st.nixl += 1
+                        kv.kv_transfer += ntok - 1
+                        kv.local_compute += 1
+                        kv.nixl += 1
                         if st.fail_transfers:
-                            st.nixl_failed = (st.nixl_failed or 0) + 1
+                            kv.nixl_failed = (kv.nixl_failed or 0) + 1
                 if st.pd_corrupt_at is not None and st.pd_corrupt_at < len(ids):
                     ids[st.pd_corrupt_at] += 1
             text = st.answers.get(prompt, " ".join(f"w{i}" for i in ids))
@@ -146,10 +163,11 @@ def make_handler(name, st):
 
 
 class Cluster:
-    def __init__(self):
-        self.st = State()
+    def __init__(self, decodes=("decode-0",)):
+        self.st = State(decodes)
+        self.decodes = decodes
         self.servers = {}
-        for name in ("prefill-0", "decode-0", "router"):
+        for name in ("prefill-0", *decodes, "router"):
             srv = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(name, self.st))
             threading.Thread(target=srv.serve_forever, daemon=True).start()
             self.servers[name] = srv
@@ -163,7 +181,7 @@ class Cluster:
             # accuracy runs on the control node (lm_eval, tests/unit/test_pd_verify_lmeval.py), not in the script.
             "request_timeout_s": 30, "steps": [s for s in pv.STEPS if s != "accuracy"],
             "instances": [{"name": "prefill-0", "pool": "prefill", "host": "h1", "url": self.url("prefill-0")},
-                          {"name": "decode-0", "pool": "decode", "host": "h2", "url": self.url("decode-0")}],
+                          *({"name": d, "pool": "decode", "host": "h2", "url": self.url(d)} for d in self.decodes)],
             "readiness": {"retries": 2, "delay_s": 0.01, "timeout_s": 2},
             "warmup": {"concurrency": [1, 2], "output_tokens": 4, "context_min_tokens": 32,
                        "context_max_tokens": 256, "context_points": 3},
@@ -254,6 +272,49 @@ def test_missing_kv_metrics_are_reported_with_what_exists(cluster):
     rep = pv.run_all(cluster.config(), steps=("kv_transfer",))
     assert not rep["ok"]
     assert any("decode /metrics lacks" in e and "decode-0" in e for e in rep["failures"])
+
+
+@pytest.fixture
+def two_decodes():
+    c = Cluster(decodes=("decode-0", "decode-1"))
+    yield c
+    c.close()
+
+
+def test_every_decode_instance_must_pull_kv_not_only_the_pool(two_decodes):
+    # Round robin over both: the 2 compared prompts reach each decode instance once, no probe needed.
+    rep = pv.run_all(two_decodes.config(kv_check={"decode_probes": 4}), steps=("kv_transfer",))
+    kv = rep["steps"]["kv_transfer"]
+    assert rep["ok"], rep["failures"]
+    assert {d: v["nixl_transfers"] for d, v in kv["decode_deltas"].items()} == {"decode-0": 1, "decode-1": 1}
+    assert kv["decode_probes"] == {"sent": 0, "limit": 8}
+
+
+def test_probes_reach_a_decode_instance_the_compared_prompts_missed(two_decodes):
+    # One compared prompt reaches decode-0 only; one probe through the router then reaches decode-1.
+    rep = pv.run_all(two_decodes.config(kv_check={"prompts": 1, "decode_probes": 4}), steps=("kv_transfer",))
+    kv = rep["steps"]["kv_transfer"]
+    assert rep["ok"], rep["failures"]
+    assert kv["decode_probes"]["sent"] == 1
+    assert kv["decode_deltas"]["decode-1"]["nixl_transfers"] == 1
+
+
+def test_a_decode_instance_the_routers_never_pick_fails_the_check_by_name(two_decodes):
+    # The pool's totals look healthy (decode-0 pulls every prompt's KV): only the per-instance check sees decode-1.
+    two_decodes.st.starved = {"decode-1"}
+    rep = pv.run_all(two_decodes.config(kv_check={"decode_probes": 3}), steps=("kv_transfer",))
+    kv = rep["steps"]["kv_transfer"]
+    assert not rep["ok"]
+    assert kv["transferred_fraction"] > 0.9 and kv["decode_probes"] == {"sent": 6, "limit": 6}
+    assert rep["failures"] == [
+        "decode instance decode-1 received no KV over NIXL in 8 P/D requests through the router (its transfer count "
+        "did not move, the others' did): the routers do not send it requests, or its NIXL handshake with the prefill "
+        "pool fails"]
+
+
+def test_one_decode_instance_sends_no_probe(cluster):
+    rep = pv.run_all(cluster.config(kv_check={"decode_probes": 4}), steps=("kv_transfer",))
+    assert rep["ok"] and rep["steps"]["kv_transfer"]["decode_probes"] == {"sent": 0, "limit": 0}
 
 
 def test_instance_down_is_named_and_later_steps_do_not_run(cluster):

@@ -82,6 +82,11 @@ def render_markdown(rep):
                   f"- identical token ids P/D vs colocated ({kv.get('direct_instance')}): {ident}/{len(kv['cases'])}",
                   f"- decode deltas: {json.dumps(kv.get('totals'))}; transferred fraction "
                   f"{kv.get('transferred_fraction')}"]
+        lines += [f"- {name}: {(delta or {}).get('nixl_transfers')} NIXL transfers, "
+                  f"{(delta or {}).get('kv_transfer_tokens')} tokens by KV transfer"
+                  for name, delta in sorted((kv.get("decode_deltas") or {}).items())]
+        if (kv.get("decode_probes") or {}).get("sent"):
+            lines.append(f"- {kv['decode_probes']['sent']} more P/D request(s) until every decode instance pulled KV")
     acc = st.get("accuracy", {})
     if "score" in acc:
         lines += ["", "## Accuracy (lm-evaluation-harness)", "",

@@ -183,6 +183,38 @@ def _delta(after, before):
     return after - before
 
 
+def _idle(decodes, before, after, names):
+    """Decode instances whose NIXL transfer count did not move (None: the metric is missing, reported elsewhere)."""
+    idle = []
+    for d in decodes:
+        b, a = (kv_metrics(snap[d["name"]], names)["nixl_transfers"] for snap in (before, after))
+        if a is not None and (a - (b or 0.0)) <= 0:
+            idle.append(d["name"])
+    return idle
+
+
+def _reach_every_decode(cfg, prompts, decodes, before, scrape_all):
+    """The compared prompts reach the decode instances the routers pick; with several decode instances, more P/D
+    requests (distinct prompts, through the router) until every one's NIXL transfer count moved, at most
+    kv_check.decode_probes per decode instance: each decode instance must be shown pulling KV, not only the pool.
+    Returns the last scrape and what was sent (with the error that stopped it, if one did)."""
+    k = cfg["kv_check"]
+    names = k["metrics"]
+    limit = int(k.get("decode_probes", 0)) * len(decodes) if len(decodes) > 1 else 0
+    probes = {"sent": 0, "limit": limit}
+    after = scrape_all()
+    while probes["sent"] < limit and _idle(decodes, before, after, names):
+        prompt, _count = prompts.make(int(k["prompt_tokens"]), 2000 + probes["sent"])
+        try:
+            _completion(cfg["router_url"], cfg["model"], prompt, 4, cfg)
+        except HttpError as e:
+            probes["error"] = f"decode probe {probes['sent']}: {e}"
+            break
+        probes["sent"] += 1
+        after = scrape_all()
+    return after, probes
+
+
 def step_kv_transfer(cfg, prompts):
     k = cfg["kv_check"]
     model, router = cfg["model"], cfg["router_url"]
@@ -230,7 +262,9 @@ def step_kv_transfer(cfg, prompts):
             errors.append(f"prompt {n}: token ids differ between P/D (router) and colocated ({direct['name']}) "
                           f"at position {first_diff}: P/D {pd_ids[fd:fd + 3]} vs colocated {co_ids[fd:fd + 3]}")
         cases.append(case)
-    after = scrape_all()
+    after, probes = _reach_every_decode(cfg, prompts, decodes, before, scrape_all)
+    if "error" in probes:
+        errors.append(probes["error"])
     per_decode = {}
     tot = {"kv_transfer_tokens": 0.0, "local_compute_tokens": 0.0, "nixl_transfers": 0.0, "nixl_failed": 0.0}
     missing = []
@@ -259,12 +293,18 @@ def step_kv_transfer(cfg, prompts):
         if tot["nixl_transfers"] <= 0:
             errors.append("decode shows no NIXL transfer during the check (transfer count delta 0): the KV was not "
                           "pulled from prefill")
+        else:
+            sent = len(cases) + probes["sent"]
+            errors += [f"decode instance {name} received no KV over NIXL in {sent} P/D requests through the router "
+                       "(its transfer count did not move, the others' did): the routers do not send it requests, "
+                       "or its NIXL handshake with the prefill pool fails"
+                       for name in _idle(decodes, before, after, names)]
         if frac is None or frac < float(k["min_transfer_fraction"]):
             errors.append(f"decode computed the prompt itself: kv_transfer {tot['kv_transfer_tokens']:.0f} vs "
                           f"local_compute {tot['local_compute_tokens']:.0f} tokens (transferred fraction {frac}, "
                           f"need >= {k['min_transfer_fraction']})")
     return {"ok": not errors, "direct_instance": direct["name"], "cases": cases, "decode_deltas": per_decode,
-            "totals": tot, "transferred_fraction": frac, "errors": errors}
+            "decode_probes": probes, "totals": tot, "transferred_fraction": frac, "errors": errors}
 
 
 def step_prometheus(cfg):
