@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.b300.pd.scripts.testhosts_lib import config as th
+from ansible_collections.b300.pd.scripts.testhosts_lib import system
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    loader = importlib.machinery.SourceFileLoader("testhosts", str(ROOT / "scripts" / "testhosts"))
-    spec = importlib.util.spec_from_loader("testhosts", loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
-
-
-th = _load()
 
 
 @pytest.mark.parametrize("env", ["local", "mol-testhosts_smoke", "mol-vllm_serve", "a" * 40])
@@ -107,7 +96,7 @@ def test_parse_bind():
 
 
 def test_nft_ruleset_drops_routed_traffic_per_bridge():
-    rs = th.nft_ruleset(["pdbr-local", "pdbr-0123456789"])
+    rs = system.nft_ruleset(["pdbr-local", "pdbr-0123456789"])
     for br in ("pdbr-local", "pdbr-0123456789"):
         assert f'iifname "{br}" oifname != "{br}" counter drop' in rs
         assert f'oifname "{br}" iifname != "{br}" counter drop' in rs
@@ -118,15 +107,15 @@ def test_nft_ruleset_drops_routed_traffic_per_bridge():
 
 
 def test_nft_ruleset_without_bridges_only_deletes_the_table():
-    rs = th.nft_ruleset([])
+    rs = system.nft_ruleset([])
     assert "delete table inet pd_testhosts" in rs
     assert "chain" not in rs
 
 
 @pytest.mark.skipif(not shutil.which("nft"), reason="nft not installed")
 def test_nft_ruleset_is_valid_nft_syntax():
-    p = subprocess.run(["nft", "-c", "-f", "-"], input=th.nft_ruleset(["pdbr-local"]), capture_output=True, text=True,
-                       check=False)
+    p = subprocess.run(["nft", "-c", "-f", "-"], input=system.nft_ruleset(["pdbr-local"]), capture_output=True,
+                       text=True, check=False)
     if p.returncode != 0 and "Operation not permitted" in p.stderr:
         pytest.skip("nft -c needs CAP_NET_ADMIN")
     assert p.returncode == 0, p.stderr
