@@ -46,8 +46,16 @@ def test_overload_is_shed_at_once_and_what_is_admitted_meets_the_sla(inventory):
     assert limit > 0, "inventory/local sets no admission limit (pd_frontdoor_max_inflight)"
     # the search ran with admission off: the limit it measured on (extra vars over the inventory's)
     playbook("site.yml", "--limit", "router_hosts", "--tags", "router", "-e", f"@{ADMISSION_FILE}", timeout=600)
-    wait_until_routed(inventory, 180, "overload")
-    rep = run_overload(INVENTORY, max_rate, "heavy=2.7,light=0.3", duration=OVERLOAD_S, max_tokens=32, timeout=60)
+    try:
+        wait_until_routed(inventory, 180, "overload")
+        rep = run_overload(INVENTORY, max_rate, "heavy=2.7,light=0.3", duration=OVERLOAD_S, max_tokens=32,
+                           timeout=60)
+    finally:
+        # The inventory's limit back for what follows: the prefill kills are measured under it (the crash matrix,
+        # docs/faults.md, M 10). Under the search's 3 (CI 2026-12-07) the kill's closed loop of 2 clients met one
+        # 429 1.6 s after the kill, which 2 requests in flight should not meet: not explained yet (#31, open).
+        playbook("site.yml", "--limit", "router_hosts", "--tags", "router", timeout=600)
+        wait_until_routed(inventory, 180, "overload: the inventory's admission limit back")
     record("overload", {"max_rate": max_rate, "context": context, "max_inflight": written,
                         "max_inflight_inventory": limit, "passed": rep["passed"],
                         "criteria": rep["criteria"], "keys": rep["keys"], "overall": rep["overall"]})
