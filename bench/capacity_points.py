@@ -28,6 +28,8 @@ class Point:
     duration_s: float | None = None
     window_end: float | None = None
     load_avg_1m: float | None = None  # of the control node after the point: other work on shared cores shows here
+    # CPU seconds `vllm bench serve` used for the point (its start included): the client's share of shared cores
+    client_cpu_s: float | None = None
     passed: bool = False
     reason: str = ""
     result_file: str = ""

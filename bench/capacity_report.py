@@ -43,12 +43,19 @@ def _fit_cell(fit: dict | None, bold: bool = False) -> str:
             + (" extrapolated" if fit.get("extrapolated") else ""))
 
 
+def _prompts(rep: dict) -> str:
+    # Reports made before --prompts had the random dataset.
+    if rep.get("prompts", "random") == "random":
+        return "vLLM's random dataset"
+    return f"distinct filler-word prompts, {rep.get('tokens_per_word') or 0:.2f} tokens a word"
+
+
 def render_markdown(rep: dict) -> str:
     sla = rep["sla"]
     lines = [f"# SLA capacity {rep['mode']}: {rep['inventory']} ({rep['started']})", "",
              f"SLA ({rep.get('sla_source', 'inventory pd_sla')}): mean TTFT <= {sla['ttft_mean_ms']:g} ms, "
              f"mean TPOT <= {sla['tpot_mean_ms']:g} ms; "
-             f"output {rep['output_len']} tokens per request; load `vllm bench serve` (random dataset, fixed "
+             f"output {rep['output_len']} tokens per request; load `vllm bench serve` ({_prompts(rep)}, fixed "
              f"lengths, Poisson arrivals) through {rep['base_url']}.", ""]
     if rep["mode"] == "search":
         lines += [f"Search: start {rep['params']['start_rate']:g} req/s, doubling then geometric bisection to "
@@ -116,8 +123,8 @@ def render_markdown(rep: dict) -> str:
     lines += ["", "![TTFT](ttft.png) ![TPOT](tpot.png) ![goodput](goodput.png)", "", "## Points (in order measured)",
               "", "| context | rate | prompts | done/failed | mean TTFT ms (p99) | mean TPOT ms (p99) | goodput | "
               "verdict | Prometheus TTFT ms per pool | TPOT ms per pool | MTP acceptance | KV xfer ms | "
-              "prefix cache hits % | load 1m |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "prefix cache hits % | load 1m | client CPU s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in rep["contexts"]:
         for p in c["points"]:
             pr = p["prometheus"]
@@ -130,7 +137,7 @@ def render_markdown(rep: dict) -> str:
                 f"{'PASS' if p['passed'] else 'FAIL'}: {p['reason']} | {_pools(pr, 'ttft_mean_s', 1000, '.0f')} | "
                 f"{_pools(pr, 'tpot_mean_s', 1000, '.1f')} | {_pools(pr, 'mtp_acceptance', 1, '.2f')} | "
                 f"{_pools(pr, 'kv_xfer_mean_s', 1000, '.1f')} | {_pools(pr, 'prefix_cache_hit_rate', 100, '.0f')} | "
-                f"{_fmt(p.get('load_avg_1m'), '.1f')} |")
+                f"{_fmt(p.get('load_avg_1m'), '.1f')} | {_fmt(p.get('client_cpu_s'), '.1f')} |")
     warm = [(c["context"], c["warmup"]) for c in rep["contexts"] if c.get("warmup")]
     if warm:
         lines += ["", "Warm-up before each context's first point (not measured): " + "; ".join(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -212,17 +213,27 @@ def run_overload(inventory, max_rate, factors="heavy=2.7,light=0.3", duration=60
     if api_keys["heavy"] == api_keys["light"]:
         raise UsageError("client keys: key 1 and key 2 are the same key; the per-key share cannot be tested")
     rates = {k: round(f * max_rate, 6) for k, f in factors.items()}
-    t0 = time.time()
+    t0, cpu0, wall0 = time.time(), _cpu_s(), time.monotonic()
     try:
         reports = run_loads(url, model, api_keys, rates, duration=duration, prompt_words=prompt_words,
                             max_tokens=max_tokens, timeout=timeout)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+    cpu, wall = _cpu_s() - cpu0, time.monotonic() - wall0
     rep = evaluate(reports, max_rate, sla)
     rep.update(started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), url=url, model=model,
                factors=factors, rates=rates, duration_s=duration, prompt_words=prompt_words, max_tokens=max_tokens,
-               timeout_s=timeout)
+               timeout_s=timeout,
+               # The load generator's own CPU (this process, all its threads) over the run: where it shares cores
+               # with the engines (the embedded default), what it takes is not there for serving.
+               client_cpu={"cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
+                           "cores": round(cpu / wall, 3) if wall > 0 else None})
     return rep
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def summary(rep: dict) -> str:
@@ -237,6 +248,8 @@ def summary(rep: dict) -> str:
                      + (f" prompt tokens mean {pt['mean']:.0f}" if pt else ""))
     lines.append(f"  overall: goodput {o['goodput_req_s']} req/s, admitted TTFT mean {o['admitted_ttft_mean_s']} s, "
                  f"TPOT mean {o['admitted_tpot_mean_ms']} ms")
+    if rep.get("client_cpu"):
+        lines.append(f"  load generator CPU: {rep['client_cpu']['cores']} cores ({rep['client_cpu']['cpu_s']} s)")
     for c in rep["criteria"]:
         lines.append(f"  {'PASS' if c['passed'] else 'FAIL'} {c['name']}: {c['figure']} (want {c['want']})")
     lines.append("PASS" if rep["passed"] else "FAIL")

@@ -4,8 +4,9 @@
 For each context length of the inventory's range (pd_sla.context_min_tokens .. context_max_tokens), find the
 highest request rate at which mean TTFT and mean TPOT still meet pd_sla (ttft_mean_s, tpot_mean_ms): double the
 rate until a point misses (bracket), then bisect (geometric midpoints) until the passing and the failing rate
-are within --precision of each other. The load is vLLM's own `vllm bench serve` (random dataset, fixed input
-and output lengths, Poisson arrivals at --request-rate, --goodput, --save-result), run from the pinned vLLM venv;
+are within --precision of each other. The load is vLLM's own `vllm bench serve` (--prompts: distinct filler-word
+prompts by default, bench/capacity_prompts.py; fixed input and output lengths, Poisson arrivals at --request-rate,
+--goodput, --save-result), run from the pinned vLLM venv;
 its saved JSON is the measurement. At each point the per-pool TTFT/TPOT, MTP acceptance and KV-transfer
 (NIXL) time are read back from Prometheus over the point's own window.
 
@@ -49,6 +50,7 @@ from ansible_collections.b300.pd.bench.capacity_plan import (
     plan_from_vars,
 )
 from ansible_collections.b300.pd.bench.capacity_points import Point, decisive_miss, majority_verdict, rate_verdicts
+from ansible_collections.b300.pd.bench.capacity_prompts import PROMPT_KINDS, PromptError, tokens_per_word
 from ansible_collections.b300.pd.bench.capacity_report import load_report, plot_report, render_markdown
 from ansible_collections.b300.pd.bench.capacity_search import (
     BudgetSpent,
@@ -74,7 +76,11 @@ def parse_args(argv):
     ap.add_argument("--prometheus-url", default="", help="Prometheus URL; empty: no per-pool figures")
     ap.add_argument("--vllm-python", default=str(ROOT / ".cache" / "vllm-venv" / "bin" / "python"),
                     help="python of a venv with the pinned vLLM (default: the control node's .cache/vllm-venv)")
-    ap.add_argument("--tokenizer", required=True, help="model directory (or HF id) for the random dataset")
+    ap.add_argument("--tokenizer", required=True, help="model directory (or HF id): the prompts' token counts")
+    ap.add_argument("--prompts", choices=PROMPT_KINDS, default="words",
+                    help="words (default): distinct filler-word prompts, none sharing a prefix, as pd_load and "
+                         "pd_overload send; random: vLLM's random dataset (on a small vocabulary its prompts repeat "
+                         "and the prefix cache serves part of them: bench/capacity_prompts.py)")
     ap.add_argument("--model", help="served model name (default: the inventory's pd_served_model_name)")
     ap.add_argument("--api-key-file", default=str(FRONTDOOR_KEY),
                     help="front door key file (default .cache/frontdoor/api-key; missing: no key sent)")
@@ -204,12 +210,13 @@ def main(argv=None) -> int:
                              f"--point-timeout plus the Prometheus read-back) for each of the {len(contexts)} context "
                              f"lengths; raise it to at least {worst * len(contexts):g} or lower --point-timeout")
         baseline = load_report(a.compare_with, flag="--compare-with") if a.compare_with else None
+        a.tokens_per_word = tokens_per_word(a.vllm_python, a.tokenizer) if a.prompts == "words" else None
         # each context's sweep centre before anything is measured (a context the search lacks stops here); none
         # where --sweep-min and --sweep-max set the range
         centred = a.finer_sweep and baseline and (a.sweep_min is None or a.sweep_max is None)
         centres = {ctx: sweep_centre(baseline, ctx, a.sweep_centre, asdict(a.plan.sla), a.fit_window)
                    for ctx in contexts} if centred else {}
-    except UsageError as exc:
+    except (UsageError, PromptError) as exc:
         print(f"sla_capacity: {exc}", file=sys.stderr)
         return 2
     started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -224,7 +231,7 @@ def main(argv=None) -> int:
     rep = {"mode": "sweep" if a.finer_sweep else "search", "inventory": a.inventory, "started": started,
            "base_url": a.base_url, "sla": asdict(plan.sla),
            "sla_source": "command line override" if a.sla_overridden else "inventory pd_sla",
-           "output_len": plan.output_len,
+           "output_len": plan.output_len, "prompts": a.prompts, "tokens_per_word": a.tokens_per_word,
            "command": " ".join(["bench/sla_capacity.py"] + list(argv if argv is not None else sys.argv[1:])),
            "params": {k: getattr(a, k) for k in ("start_rate", "precision", "min_rate", "max_points",
                                                  "point_seconds", "min_prompts", "max_prompts", "point_timeout",

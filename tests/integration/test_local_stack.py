@@ -158,12 +158,14 @@ def stack(inventory):
 
 
 def test_site_brings_the_stack_up_and_verify_passes(stack, inventory):
+    # pd_verify_report_dir: reports/<the inventory's directory name>.
+    report_path = ROOT / "reports" / Path(INVENTORY).name / "verify-latest.json"
+    report_path.unlink(missing_ok=True)  # a report of an earlier run is not this run's
     t0 = time.monotonic()
     proc = playbook("site.yml", timeout=2700)
     elapsed = round(time.monotonic() - t0, 1)
     failed = {h: r for h, r in recap(proc.stdout).items() if r.get("failed") or r.get("unreachable")}
     assert not failed, failed
-    report_path = ROOT / "reports" / "local" / "verify-latest.json"
     assert report_path.exists(), "verify wrote no report"
     report = json.loads(report_path.read_text())
     steps = report["steps"]
@@ -474,6 +476,7 @@ def change_through_site(inventory: dict, name: str, extra: dict | None) -> dict:
     wait_until_routed(inventory, 300, f"{name}, before the change")  # the load starts on a stack that routes
     before_reports = set(REPORTS.parent.glob("change-*.json"))
     revs_before = running_revisions(inventory)
+    paths_before = frontdoor_paths(inventory["router_host"])
     gen = LoadGenerator(url=inventory["router_url"], model=inventory["model"], api_key=client_api_key(),
                         **STEADY_LOAD)
     watch = PairWatch(inventory)
@@ -493,8 +496,12 @@ def change_through_site(inventory: dict, name: str, extra: dict | None) -> dict:
     new_reports = sorted(set(REPORTS.parent.glob("change-*.json")) - before_reports)
     instances = json.loads(new_reports[-1].read_text())["instances"] if new_reports else []
     revs_after = running_revisions(inventory)
+    paths_after = frontdoor_paths(inventory["router_host"])
     figures = {
         "site_s": took, "extra": extra,
+        # Requests the front door served during the change, by path (its mtail counters: pd | colocated | none).
+        "paths_during": {k: paths_after.get(k, 0) - paths_before.get(k, 0) for k in sorted({*paths_before,
+                                                                                            *paths_after})},
         "load": {k: load.get(k) for k in ("sent", "completed", "failed", "failures", "error_samples",
                                           "latency_s", "longest_completion_gap_s")},
         "pair_watch": pairs, "revisions_before": revs_before, "revisions_after": revs_after,
@@ -534,14 +541,17 @@ def _revisions() -> tuple[str, str]:
 
 @pytest.mark.change_full
 def test_change_path_flag_change_restarts_only_the_decode_instance(inventory):
-    """(a) A decode-pool flag through plain site.yml: only decode-0 restarts, drain first, served colocated
-    meanwhile, 0 failed requests, P/D at the end (issue #15)."""
+    """(a) A decode-pool flag through plain site.yml: only the decode instances restart, one at a time, drain first,
+    0 failed requests, P/D at the end (issue #15). The only decode instance is served colocated meanwhile; one of
+    several P/D through the others, and then no request at all takes the colocated path (issue #34)."""
     decode = [i["name"] for i in inventory["instances"] if i["pool"] == "decode"]
     a = change_through_site(inventory, "change-flag", {"pd_vllm_flags_pool": _decode_only_flags(inventory)})
     assert sorted(i["instance"] for i in a["instances"]) == decode, a["instances"]
-    # The only decode instance is served colocated while it restarts; one of several, P/D through the others.
     meanwhile = "colocated" if len(decode) == 1 else "pd"
     assert all(i["served_meanwhile"] == meanwhile for i in a["instances"]), a["instances"]
+    assert a["paths_during"].get("pd", 0) > 0, a["paths_during"]
+    if len(decode) > 1:
+        assert a["paths_during"].get("colocated", 0) == 0, ("P/D throughout", a["paths_during"])
     for name, before in a["revisions_before"].items():
         if name not in decode:
             assert a["revisions_after"][name]["pid"] == before["pid"], f"{name} restarted"
@@ -550,16 +560,21 @@ def test_change_path_flag_change_restarts_only_the_decode_instance(inventory):
 @pytest.mark.upgrade
 def test_change_path_revision_switch_through_site_yml_drops_no_request(inventory):
     """(b) A second revision of the tiny model through site.yml: every instance restarts drain first, prefill first,
-    decode last (served colocated meanwhile), 0 failed requests, no P/D pair across two revisions at any sample
-    (the routers' registries against the revision on each process's command line), records and processes agree,
-    P/D at the end (issue #15)."""
+    decode last, 0 failed requests, no P/D pair across two revisions at any sample (the routers' registries against
+    the revision on each process's command line), records and processes agree, P/D at the end (issue #15).
+    The first decode instance to restart is served colocated meanwhile (no decode instance of the new revision is
+    left to pair with: the fallback of the last decode instance, live on either inventory); every later one P/D,
+    through the decode instances already on the new revision (issue #34)."""
     _r1, r2 = _revisions()
     names = sorted(i["name"] for i in inventory["instances"])
     decode = [i["name"] for i in inventory["instances"] if i["pool"] == "decode"]
     source = {"type": "path", "path": "/srv/model-src/tiny-pd-r2", "revision": r2}
     b = change_through_site(inventory, "change-revision", {"pd_model_source": source})
     assert sorted(i["instance"] for i in b["instances"]) == names, b["instances"]
-    assert b["instances"][-1]["instance"] == decode[0] and b["instances"][-1]["served_meanwhile"] == "colocated"
+    pools = [i["pool"] for i in b["instances"]]
+    assert pools == sorted(pools, key=lambda p: p != "prefill"), ("prefill first, decode last", b["instances"])
+    meanwhile = [i["served_meanwhile"] for i in b["instances"] if i["pool"] == "decode"]
+    assert meanwhile == ["colocated"] + ["pd"] * (len(decode) - 1), b["instances"]
     assert {r["process_revision"] for r in b["revisions_after"].values()} == {r2}, b["revisions_after"]
 
 

@@ -633,7 +633,7 @@ def test_peer_source_rsync_between_two_roots(tmp_path, src, monkeypatch):
 def test_ansible_adhoc_run_and_idempotence(tmp_path, src):
     d, m = src
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="ansible.builtin.json",
-               ANSIBLE_LOAD_CALLBACK_PLUGINS="1", ANSIBLE_FACT_CACHING="memory")
+               ANSIBLE_LOAD_CALLBACK_PLUGINS="1", ANSIBLE_CACHE_PLUGIN="memory")
     args = json.dumps({"root": str(tmp_path / "root"), "link": str(tmp_path / "root" / "served"),
                        "revision": m["revision"], "source": {"type": "path", "path": str(d)}})
     cmd = [str(ROOT / ".venv" / "bin" / "ansible"), "localhost", "-i", "localhost,", "-c", "local",
@@ -661,7 +661,7 @@ def _playbook(tmp: Path, extra_vars: dict, check=False):
                   "  roles:\n    - role: b300.pd.model_weights\n")
     # A tiny model fetches in seconds: bound the async job so a lost one fails the test instead of hanging it.
     (tmp / "vars.json").write_text(json.dumps({"model_weights_async_timeout": 600, **extra_vars}))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FACT_CACHING="memory")
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_CACHE_PLUGIN="memory")
     cmd = [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", "-c", "local",
            "-e", "ansible_python_interpreter=" + shutil.which("python3"), "-e", f"@{tmp / 'vars.json'}", str(pb)]
     if check:

@@ -239,7 +239,7 @@ def _role_run(tmp: Path, hostvars: dict, extra: dict, tasks_from: str = "main"):
                                                "pd_vllm_user": "nobody", "model_weights_space_margin_mib": 0,
                                                "pd_model_peer_fanout": False, "pd_control_dir": str(tmp / "control"),
                                                **extra}))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FACT_CACHING="memory")
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_CACHE_PLUGIN="memory")
     cmd = [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv), "-e", f"@{tmp / 'vars.json'}", str(pb)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False, timeout=900)  # noqa: S603
     failed = {h: int(n) for h, n in re.findall(r"^(\S+)\s*:\s*ok=\d+\s+changed=\d+\s+unreachable=\d+\s+failed=(\d+)",

@@ -224,7 +224,7 @@ def test_through_ansible_playbook_a_vanished_job_fails_on_the_first_look(tmp_pat
                 "jid": "j777777777777.1", "results_file": str(results), "description": "test job",
                 "host": "{{ inventory_hostname }}"},
              "register": "r", "until": "r is finished", "retries": 50, "delay": 10}]}]))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FACT_CACHING="memory",
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_CACHE_PLUGIN="memory",
                ANSIBLE_ASYNC_DIR=str(tmp_path))
     p = subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", "-c", "local",
                         "-e", "ansible_python_interpreter=" + shutil.which("python3"), str(pb)],

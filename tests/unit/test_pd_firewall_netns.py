@@ -322,7 +322,10 @@ def test_load_is_keyed_on_the_live_table(tmp_path):
     play = tmp_path / "live.yml"
     play.write_text(LIVE_PLAY)
     ns = f"pdfw{os.getpid()}live"
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"))
+    # Facts in memory and this Python for the modules: the clone's fact cache (.cache/facts) would keep whatever
+    # interpreter an earlier local play discovered on another PATH (a pyenv shim that cannot run here).
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_CACHE_PLUGIN="memory",
+               ANSIBLE_PYTHON_INTERPRETER=sys.executable)
 
     def decide(digest):
         out = tmp_path / "decision.json"

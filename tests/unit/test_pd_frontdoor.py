@@ -412,7 +412,7 @@ def test_connection_limit_tasks_edit_debians_nginx_conf_and_nginx_accepts_it(tmp
              "vars": {"pd_frontdoor_worker_connections": 4096}, "tasks": edits}]
     (tmp_path / "pb.yml").write_text(yaml.safe_dump(play))
     env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": str(ROOT / ".venv" / "bin") + ":/usr/bin:/bin",
-           "ANSIBLE_FACT_CACHING": "memory"}
+           "ANSIBLE_CACHE_PLUGIN": "memory"}
 
     def apply():
         p = subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", "-c", "local",
@@ -775,7 +775,7 @@ def _run_tasks(tmp: Path, tasks: list, variables: dict, name: str = "pb",
     play = [{"name": name, "hosts": "localhost", "gather_facts": False, "tasks": _strip_notify(tasks)}]
     (tmp / f"{name}.yml").write_text(yaml.safe_dump(play))
     (tmp / f"{name}.json").write_text(json.dumps(variables))
-    env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_FACT_CACHING": "memory",
+    env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_CACHE_PLUGIN": "memory",
            "PATH": path + str(ROOT / ".venv" / "bin") + ":/usr/sbin:/usr/bin:/bin"}
     return subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", "-c", "local",
                            "-e", f"@{tmp / (name + '.json')}", str(tmp / f"{name}.yml")],

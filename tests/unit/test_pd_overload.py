@@ -136,6 +136,9 @@ def test_run_against_a_stub_front_door_passes():
     assert 25 <= rep["overall"]["admitted_tpot_mean_ms"] <= 200 and rep["overall"]["admitted_ttft_mean_s"] < 1
     assert li["prompt_tokens"]["mean"] == 13 and h["shed_latency_p99_s"] < 1.0
     assert all(r["body"]["stream"] is True for r in srv.requests)
+    # the load generator's own CPU over the run (this process): measured, a fraction of a core for 24 requests
+    cpu = rep["client_cpu"]
+    assert cpu["wall_s"] >= 1.0 and 0 < cpu["cpu_s"] and 0 < cpu["cores"] < 2, cpu
 
 
 def test_run_against_a_stub_front_door_fails(monkeypatch, tmp_path, capsys):

@@ -190,7 +190,7 @@ def run(tmp_path, inv, playbook, extra=()):
     (fake_bin / "systemctl").write_text("#!/bin/sh\nprintf 'ActiveState=active\\nSubState=running\\nNRestarts=0\\n'\n")
     (fake_bin / "systemctl").chmod(0o755)
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
-               ANSIBLE_FACT_CACHING="memory", PATH=f"{fake_bin}:{os.environ.get('PATH', '')}")
+               ANSIBLE_CACHE_PLUGIN="memory", PATH=f"{fake_bin}:{os.environ.get('PATH', '')}")
     return subprocess.run([str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inv), str(pb), *extra],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
 

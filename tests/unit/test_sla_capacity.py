@@ -251,6 +251,7 @@ def _argv(tmp_path, *extra):
             "--vllm-python", sys.executable, "--api-key-file", str(tmp_path / "no-key"), "--contexts", "256", "3072",
             "--start-rate", "0.5", "--max-points", "8", "--point-timeout", "50", "--out-dir", str(tmp_path / "out"),
             "--confirm-failures", "0", "--warmup-prompts", "0",  # one point per rate, no warm-up unless asked
+            "--prompts", "random",  # no tokenizer run (a test of --prompts words gives it again)
             *extra]
 
 
@@ -501,13 +502,17 @@ def test_a_sweep_that_passes_above_its_first_failing_rate_says_it_is_not_monoton
     assert "**Not monotone** at 3072 tokens: 9.13 req/s passed above the first failing rate 8.56" in md
 
 
-def _fake_bench(monkeypatch, ttft_ms: float = 300.0) -> list:
+def _fake_bench(monkeypatch, ttft_ms: float = 300.0, *, with_prompts: bool = False):
     """subprocess.run replaced by a `vllm bench serve` that writes its --save-result file at once (the fixture's
     figures, every request completed, mean TTFT ttft_ms); returns the command lines run, in order."""
     runs = []
 
     def run(cmd, **kw):
+        if cmd[1] == "-c":  # capacity_prompts.tokens_per_word's count: 1.3 tokens a word
+            return subprocess.CompletedProcess(cmd, 0, f"{round(1.3 * len(kw['input'].split()))}\n", "")
         runs.append(cmd)
+        if "--dataset-path" in cmd:  # --prompts words: the file exists while its run runs
+            runs_prompts.append([json.loads(line)["prompt"] for line in Path(arg_of(cmd, "--dataset-path")).open()])
 
         def arg(name):
             return cmd[cmd.index(name) + 1]
@@ -518,8 +523,15 @@ def _fake_bench(monkeypatch, ttft_ms: float = 300.0) -> list:
         (Path(arg("--result-dir")) / arg("--result-filename")).write_text(json.dumps(data))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
+    runs_prompts = []
     monkeypatch.setattr(subprocess, "run", run)
+    if with_prompts:
+        return runs, runs_prompts
     return runs
+
+
+def arg_of(cmd, name):
+    return cmd[cmd.index(name) + 1]
 
 
 def _opt(cmd, name):
@@ -556,6 +568,25 @@ def test_a_warmup_runs_before_each_contexts_first_point_and_is_not_measured(tmp_
     assert rep["params"]["warmup_prompts"] == 12
     md = (tmp_path / "out" / "report.md").read_text()
     assert "Warm-up before each context's first point (not measured): 256 tokens: 12 requests, 3 at a time" in md
+
+
+def test_words_prompts_are_distinct_of_the_context_length_and_removed_after_each_run(tmp_path, monkeypatch):
+    """--prompts words (the default): each run's prompts are a file of vLLM's custom dataset, one distinct prompt per
+    request, about the context's tokens at the tokenizer's measured tokens per word, gone after the run."""
+    runs, prompts = _fake_bench(monkeypatch, with_prompts=True)
+    assert cap.main(_argv(tmp_path, "--prompts", "words", "--finer-sweep", "--sweep-min", "1", "--sweep-max", "2",
+                          "--sweep-points", "2", "--warmup-prompts", "4")) == 0
+    assert len(runs) == len(prompts) == 6  # warm-up and 2 points, for each of 2 contexts
+    for cmd, texts in zip(runs, prompts, strict=True):
+        assert (_opt(cmd, "--dataset-name"), _opt(cmd, "--custom-output-len")) == ("custom", "32")
+        assert "--skip-chat-template" in cmd and "--random-input-len" not in cmd
+        assert not Path(_opt(cmd, "--dataset-path")).exists()
+        assert len(texts) == int(_opt(cmd, "--num-prompts")) and len(set(texts)) == len(texts)
+        assert len({t.split()[0] + t.split()[1] for t in texts}) > 1  # no shared start
+    assert {len(t.split()) for t in prompts[0]} == {round(256 / 1.3)}
+    assert {len(t.split()) for t in prompts[3]} == {round(3072 / 1.3)}
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert (rep["prompts"], rep["tokens_per_word"]) == ("words", 1.3)
 
 
 def test_no_warmup_when_the_budget_keeps_its_time_for_the_points(tmp_path, monkeypatch):
