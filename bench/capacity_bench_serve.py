@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ansible_collections.b300.pd.bench.capacity_points import Point, parse_bench_result, prompts_for, sla_verdict
@@ -38,13 +39,19 @@ def bench_command(a, context: int, rate: float, num_prompts: int, *, result_dir:
     ]
 
 
-def _prompts_file(a, context: int, num_prompts: int, seed: int, *, result_dir: Path, name: str) -> Path | None:
-    """The run's prompts as a file (--prompts words), None for the random dataset. Removed after the run: the seed
-    in the report makes them again (a point at 256K tokens would keep megabytes of filler)."""
+@contextmanager
+def _prompts_file(a, context: int, num_prompts: int, seed: int, *, result_dir: Path, name: str):
+    """The run's prompts as a file while the run runs (--prompts words), None for the random dataset. Removed after
+    the run: the seed in the report makes them again (a point at 256K tokens would keep megabytes of filler)."""
     if a.prompts != "words":
-        return None
-    return write_prompts(result_dir / "prompts" / f"{Path(name).stem}.jsonl", context, a.tokens_per_word,
+        yield None
+        return
+    path = write_prompts(result_dir / "prompts" / f"{Path(name).stem}.jsonl", context, a.tokens_per_word,
                          num_prompts, seed)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def next_seed(a) -> int:
@@ -94,15 +101,11 @@ def run_warmup(a, context: int, result_dir: Path, log) -> dict:
     name = f"warmup-c{context}.json"
     info = {"prompts": a.warmup_prompts, "concurrency": a.warmup_concurrency, "result_file": name}
     seed = next_seed(a)
-    prompts = _prompts_file(a, context, a.warmup_prompts, seed, result_dir=result_dir, name=name)
-    cmd = bench_command(a, context, math.inf, a.warmup_prompts, result_dir=result_dir, name=name, seed=seed,
-                        max_concurrency=a.warmup_concurrency, prompts_file=prompts)
-    started = time.time()
-    try:
+    with _prompts_file(a, context, a.warmup_prompts, seed, result_dir=result_dir, name=name) as prompts:
+        cmd = bench_command(a, context, math.inf, a.warmup_prompts, result_dir=result_dir, name=name, seed=seed,
+                            max_concurrency=a.warmup_concurrency, prompts_file=prompts)
+        started = time.time()
         data = _run_bench(a, cmd, result_dir / name)
-    finally:
-        if prompts:
-            prompts.unlink(missing_ok=True)
     if data is None:
         info.update(timed_out=True, duration_s=round(time.time() - started, 1))
         log(f"  c={context} warm-up: did not finish within --point-timeout {a.point_timeout:g} s")
@@ -118,15 +121,12 @@ def run_point(a, context: int, rate: float, result_dir: Path, log, *, attempt: i
     n = prompts_for(rate, a.point_seconds, a.min_prompts, a.max_prompts)
     point = Point(context=context, rate=rate, num_prompts=n, attempt=attempt, seed=next_seed(a))
     name = f"c{context}-r{rate:g}.json" if attempt == 1 else f"c{context}-r{rate:g}-{attempt}.json"
-    prompts = _prompts_file(a, context, n, point.seed, result_dir=result_dir, name=name)
-    cmd = bench_command(a, context, rate, n, result_dir=result_dir, name=name, seed=point.seed, prompts_file=prompts)
-    started, cpu0 = time.time(), _children_cpu_s()
     out = result_dir / name
-    try:
+    with _prompts_file(a, context, n, point.seed, result_dir=result_dir, name=name) as prompts:
+        cmd = bench_command(a, context, rate, n, result_dir=result_dir, name=name, seed=point.seed,
+                            prompts_file=prompts)
+        started, cpu0 = time.time(), _children_cpu_s()
         data = _run_bench(a, cmd, out)
-    finally:
-        if prompts:
-            prompts.unlink(missing_ok=True)
     point.client_cpu_s = round(_children_cpu_s() - cpu0, 2)
     if data is None:
         point.reason = f"did not finish within --point-timeout {a.point_timeout:g} s (overloaded)"

@@ -18,6 +18,7 @@ import json
 import subprocess
 from pathlib import Path
 
+from ansible_collections.b300.pd.bench.pd_load_request import request_prompt
 from ansible_collections.b300.pd.roles.pd_verify.files.pd_verify.prompts import word_prompt
 
 PROMPT_KINDS = ("words", "random")
@@ -61,12 +62,12 @@ def words_for(context: int, per_word: float) -> int:
 
 def write_prompts(path: Path, context: int, per_word: float, num_prompts: int, seed: int) -> Path:
     """num_prompts distinct prompts of about `context` tokens as vLLM's custom dataset (one {"prompt": ...} per
-    line); request i's words come from seed * 1000003 + i (pd_load's rule), so a run is reproducible from its seed."""
+    line); request i's prompt is pd_load's request_prompt(words, seed, i), so a run is reproducible from its seed."""
     n_words = words_for(context, per_word)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for i in range(num_prompts):
-            f.write(json.dumps({"prompt": word_prompt(n_words, seed * 1000003 + i)}) + "\n")
+            f.write(json.dumps({"prompt": request_prompt(n_words, seed, i)}) + "\n")
     return path
 
 

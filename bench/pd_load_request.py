@@ -128,6 +128,12 @@ def _usage_tokens(obj: dict, key: str = "completion_tokens"):
     return tok if isinstance(tok, int) and not isinstance(tok, bool) else None
 
 
+def request_prompt(words: int, seed: int, i: int) -> str:
+    """Request i's prompt in a run seeded `seed`: `words` filler words, a different prompt for every request (the
+    capacity search's prompts, bench/capacity_prompts.py, follow the same rule)."""
+    return word_prompt(words, seed * 1_000_003 + i)
+
+
 class CompletionClient:
     """Sends request number i of a run to the router (its URL, endpoint and options from the LoadConfig) and returns
     its Outcome; every exception is a classified failure."""
@@ -150,7 +156,7 @@ class CompletionClient:
 
     def _payload(self, i: int) -> bytes:
         cfg = self.cfg
-        prompt = word_prompt(cfg.prompt_words, cfg.seed * 1_000_003 + i)
+        prompt = request_prompt(cfg.prompt_words, cfg.seed, i)
         body: dict = {"model": cfg.model, "max_tokens": cfg.max_tokens, "temperature": 0.0}
         if self._chat:
             body["messages"] = [{"role": "user", "content": prompt}]
