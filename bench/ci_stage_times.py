@@ -5,8 +5,9 @@
 
 One table per log: every bootstrap stage ("=== bootstrap: X done in N s"), the bootstrap's wall time ("=== bootstrap:
 all N stages done in N s"; stages overlap, so it is less than their sum), every test stage ("=== stage X: passed in
-N s" or "FAILED after N s") and the total. With two logs, a last column per further log gives its difference to the
-first (e.g. before/after a CI speed-up).
+N s" or "FAILED after N s"; a stage run in the background, e.g. molecule beside lint, sanity and unit, also has
+the time the run waited for it, "stage/X:waited", which is what it added to the total) and the total. With two
+logs, a last column per further log gives its difference to the first (e.g. before/after a CI speed-up).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 
 BOOTSTRAP_STAGE = re.compile(r"^=== bootstrap: (\S+) done in (\d+) s$")
 BOOTSTRAP_ALL = re.compile(r"^=== bootstrap: all \d+ stages done in (\d+) s$")
-TEST_STAGE = re.compile(r"^=== stage (\S+): (?:passed in|FAILED after) (\d+) s$")
+TEST_STAGE = re.compile(r"^=== stage (\S+): (?:passed in|FAILED after) (\d+) s"
+                        r"(?: \(in the background; the run waited (\d+) s for it\))?$")
 
 
 def parse(text: str) -> dict[str, int]:
@@ -31,11 +33,15 @@ def parse(text: str) -> dict[str, int]:
             rows["bootstrap"] = int(m[1])
         elif m := TEST_STAGE.match(line):
             rows[f"stage/{m[1]}"] = int(m[2])
+            if m[3] is not None:
+                rows[f"stage/{m[1]}:waited"] = int(m[3])
     steps = {k: v for k, v in rows.items() if k.startswith("bootstrap/")}
     stages = {k: v for k, v in rows.items() if k.startswith("stage/")}
     # A log of the one-by-one bootstrap has no "all ... done" line: its wall time is the sum of its stages.
     wall = rows.get("bootstrap", sum(steps.values()))
-    return {**steps, "bootstrap": wall, **stages, "total": wall + sum(stages.values())}
+    # A background stage adds to the run only the time the run waited for it.
+    added = sum(v for k, v in stages.items() if k.endswith(":waited") or f"{k}:waited" not in stages)
+    return {**steps, "bootstrap": wall, **stages, "total": wall + added}
 
 
 def table(logs: list[dict[str, int]], names: list[str]) -> str:

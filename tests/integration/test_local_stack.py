@@ -492,6 +492,7 @@ def change_through_site(inventory: dict, name: str, extra: dict | None) -> dict:
         load = gen.stop()
         pairs = watch.stop()
     took = round(time.monotonic() - t1, 1)
+    REPORTS.mkdir(parents=True, exist_ok=True)  # also when this test runs alone (-k)
     (REPORTS / f"{name}.log").write_text(proc.stdout + proc.stderr)  # profile_tasks timings for review
     new_reports = sorted(set(REPORTS.parent.glob("change-*.json")) - before_reports)
     instances = json.loads(new_reports[-1].read_text())["instances"] if new_reports else []

@@ -51,6 +51,23 @@ def test_table_gives_the_difference_to_the_first_log(tmp_path, capsys):
     assert lines["total"] == ["176", "433", "+257"]
 
 
+BACKGROUND = """\
+=== bootstrap: all 3 stages done in 113 s
+=== stage molecule: started in the background beside lint unit (output: reports/ci/molecule-stage.out)
+=== stage lint: passed in 70 s
+=== stage unit: passed in 400 s
+=== stage molecule (ran in the background)
+=== stage molecule: passed in 221 s (in the background; the run waited 0 s for it)
+=== stage full: passed in 2000 s
+"""
+
+
+def test_a_background_stage_adds_only_the_time_the_run_waited_for_it():
+    rows = cst.parse(BACKGROUND)
+    assert rows["stage/molecule"] == 221 and rows["stage/molecule:waited"] == 0
+    assert rows["total"] == 113 + 70 + 400 + 0 + 2000
+
+
 def test_no_log_prints_usage(capsys):
     assert cst.main([]) == 2
     assert "ci.log" in capsys.readouterr().err
