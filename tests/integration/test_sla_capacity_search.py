@@ -124,7 +124,8 @@ def test_small_capacity_search_through_the_front_door(stack_info):
     shutil.rmtree(OUT_DIR, ignore_errors=True)  # nothing of an earlier run can pass for this one
     # The search measures the cluster, not the door: with the front door's admission on, its Poisson bursts above
     # pd_frontdoor_max_inflight would be refused (429) and count as failed requests. Admission off for the search
-    # (the routers' play only); tests/integration/test_overload_faults.py deploys the limit the search writes.
+    # (the routers' play only), and the inventory's limit back afterwards, also when the search fails: the overload
+    # and fault tests that follow run under it (tests/integration/test_overload_faults.py).
     playbook("site.yml", "--limit", "router_hosts", "--tags", "router", "-e", "pd_frontdoor_max_inflight=0",
              timeout=600)
     ADMISSION_FILE.unlink(missing_ok=True)
@@ -134,7 +135,10 @@ def test_small_capacity_search_through_the_front_door(stack_info):
             "--tokenizer", ".cache/model-src/tiny-pd", "--out-dir", str(OUT_DIR.relative_to(ROOT)),
             "--admission-file", str(ADMISSION_FILE.relative_to(ROOT)),
             *[str(x) for kv in FLAGS.items() for x in kv]]
-    rc, out, err, wall_s = run_search(argv, worst)
+    try:
+        rc, out, err, wall_s = run_search(argv, worst)
+    finally:
+        playbook("site.yml", "--limit", "router_hosts", "--tags", "router", timeout=600)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "search.log").write_text(err)  # the search's point-by-point log, kept with its report
     # 2: bad input, or a `vllm bench serve` that failed (not a slow one: that is a missed point)
@@ -159,6 +163,9 @@ def test_small_capacity_search_through_the_front_door(stack_info):
     # The SLA is enforced on this inventory (verify fails on a miss): each context length meets it at some rate.
     assert all(c["max_rate"] > 0 for c in rep["contexts"]), (
         f"a context length misses pd_sla even at the lowest rate tried: {summary['contexts']}")
+    # --admission-file wrote the limit it measured, as an inventory patch
+    written = yaml.safe_load(ADMISSION_FILE.read_text())["pd_frontdoor_max_inflight"]
+    assert written > 0, f"{ADMISSION_FILE}: the search wrote no admission limit"
 
     raw = OUT_DIR / "raw"
     completed_points = []
