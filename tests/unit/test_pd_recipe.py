@@ -114,6 +114,9 @@ def test_env(recipe, inst):
     assert env["SHARED"] == "instance"  # extra_env wins over pd_vllm_env
     for k in ("HOME", "HF_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
         assert env[k].startswith("/var/lib/vllm/prefill-a"), k
+    # Inductor's kernels: one cache per host (under the state root, not PrivateTmp's /tmp), no precompiled header
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/var/lib/vllm/.cache/torchinductor"
+    assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
     cpu = dict(inst, gpus=[], ucx_net_devices=None)
     env = r.build_env(recipe, cpu, "10.0.0.5")
     assert "CUDA_VISIBLE_DEVICES" not in env and "UCX_NET_DEVICES" not in env

@@ -115,7 +115,7 @@ def test_only_state_and_shm_are_writable_and_the_model_is_not(recipe, inst, unit
     assert not any(model.startswith(p.lstrip("-").rstrip("/") + "/") for p in rw)
     # the instance's HOME and caches (build_env) are under the writable state root
     env = pd_recipe.build_env(recipe, inst, "192.0.2.1")
-    for key in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
+    for key in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         assert env[key].startswith("/var/lib/vllm/"), key
 
 
