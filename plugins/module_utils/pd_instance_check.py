@@ -32,11 +32,13 @@ def entry_point_requirement(command):
     return {}
 
 
-def validate_with_vllm(module, python, item, timeout=300, *, command=None):
-    """Returns (validated, {"version", "nixl"}). Fails the module when vLLM's parser or the harness's checks refuse
-    the argv of `item` ({instance, pool, argv}).
+def validate_with_vllm(module, python, item, timeout=300, *, command=None, others=()):
+    """Returns (validated, {"version", "nixl"}, the items of `others` the parser accepted). Fails the module when
+    vLLM's parser or the harness's checks refuse the argv of `item` ({instance, pool, argv}).
 
-    With `command` (the unit's own venv), also fails when that entry point cannot start there.
+    With `command` (the unit's own venv), also fails when that entry point cannot start there. `others` (more items)
+    are parsed by the same process, which imports vLLM once for all: their problems are not this item's (their own
+    check reports them), only whether each was accepted.
     """
     name, argv = item["instance"], item["argv"]
     if not os.path.exists(python):
@@ -44,7 +46,7 @@ def validate_with_vllm(module, python, item, timeout=300, *, command=None):
             f"instance {name}: {python} does not exist (vLLM not installed yet?); flags were NOT checked "
             "with vLLM's argument parser"
         )
-        return False, {}
+        return False, {}, []
     entry = entry_point_requirement(command) if command else {}
     if entry.get("console_script") and not os.path.exists(command[0]):
         module.fail_json(
@@ -53,7 +55,7 @@ def validate_with_vllm(module, python, item, timeout=300, *, command=None):
             "nothing was written.",
             argv=argv,
         )
-    report, rc, output = pd_vllm_argcheck.run_check(module, python, [item], subcommand=SERVE_SUBCOMMAND,
+    report, rc, output = pd_vllm_argcheck.run_check(module, python, [item, *others], subcommand=SERVE_SUBCOMMAND,
                                                     timeout=timeout, entry=entry)
     stage = "run" if report is None else report.get("stage")
     if stage == "import":
@@ -82,7 +84,8 @@ def validate_with_vllm(module, python, item, timeout=300, *, command=None):
             "Fix the vLLM venv (role vllm_install); nothing was written.",
             argv=argv,
         )
-    problems = [line for result in report.get("results", []) for line in result.get("problems") or []]
+    results = report.get("results") or [{}]
+    problems = list(results[0].get("problems") or [])  # results come in request order: this item first
     if problems:
         module.fail_json(
             msg=f"vLLM {report.get('version')} rejects the flags: {'; '.join(problems)}. Fix that flag in "
@@ -91,12 +94,18 @@ def validate_with_vllm(module, python, item, timeout=300, *, command=None):
             problems=problems,
             vllm_version=report.get("version"),
         )
-    return True, {"version": report.get("version"), "nixl": report.get("nixl")}
+    # one result per item asked; an other without its result (a shorter report) is not taken as accepted
+    accepted = [other for n, other in enumerate(others, 1) if n < len(results) and not results[n].get("problems")]
+    return True, {"version": report.get("version"), "nixl": report.get("nixl")}, accepted
 
 
-def check_instance_flags(module, item, command, *, python, validate_python, timeout, cache_path):
+def check_instance_flags(module, item, command, *, python, validate_python, timeout, cache_path, siblings=()):
     """Check the argv of `item` ({instance, pool, argv}) with the vLLM of `validate_python`, or take the verdict the
     parse cache at `cache_path` (None: no cache) holds for it.
+
+    `siblings` (the host's other instances, same items): when the parser has to run, those the cache does not hold
+    yet are parsed by the same process and the accepted ones recorded, so that their own check, next in the role's
+    loop, takes the cache instead of importing vLLM again (seconds to minutes per import on a loaded host).
 
     Returns (what the module reports: flags_validated, flags_validation_cached, entry_point_checked and vllm_version
     when known; the {"version", "nixl"} the instance record names, empty unless `validate_python` is the unit's own
@@ -107,24 +116,37 @@ def check_instance_flags(module, item, command, *, python, validate_python, time
     own_venv = os.path.realpath(validate_python) == os.path.realpath(python)
     checked_command = command if own_venv else None
     # The verdict depends on the harness's checks (the pool's kv role among them), not only on the words parsed.
-    payload = {"harness": hashlib.sha256(pd_vllm_argcheck.harness_source().encode()).hexdigest()[:16],
-               "pool": item.get("pool"), "words": [*(checked_command or [SERVE_SUBCOMMAND]), *item["argv"]]}
-    key, cache = None, {}
-    if cache_path and os.path.exists(validate_python):
-        key = cache_key(validate_python, payload)
-        cache = read_cache(cache_path)
+    harness = hashlib.sha256(pd_vllm_argcheck.harness_source().encode()).hexdigest()[:16]
+
+    def payload(one):
+        return {"harness": harness, "pool": one.get("pool"),
+                "words": [*(checked_command or [SERVE_SUBCOMMAND]), *one["argv"]]}
+
+    use_cache = bool(cache_path) and os.path.exists(validate_python)
+    key = cache_key(validate_python, payload(item)) if use_cache else None
+    cache = read_cache(cache_path) if use_cache else {}
     reported = {"flags_validation_cached": False}
-    # An entry written before records existed has no NIXL version: parse again once to learn it.
-    if key and key in cache and "nixl" in cache[key]:
+
+    def cached(k):  # an entry written before records existed has no NIXL version: parse again once to learn it
+        return k in cache and "nixl" in cache[k]
+
+    if key and cached(key):
         validated, versions = True, cache[key]
         reported["flags_validation_cached"] = True
     else:
-        validated, versions = validate_with_vllm(module, validate_python, item, timeout, command=checked_command)
+        # Siblings ride along only where their verdict can be kept (a cache, and not check mode).
+        others = [s for s in siblings if s["instance"] != item["instance"]
+                  and not cached(cache_key(validate_python, payload(s)))] if key and not module.check_mode else []
+        validated, versions, accepted = validate_with_vllm(module, validate_python, item, timeout,
+                                                           command=checked_command, others=others)
         if validated and key and not module.check_mode:
-            key = cache_key(validate_python, payload)  # again: a first import may add a __pycache__
-            cache[key] = {"version": versions.get("version"), "nixl": versions.get("nixl"),
-                          "at": int(time.time()), "instance": item["instance"]}
+            now = int(time.time())
+            for one in [item, *accepted]:  # keys again: a first import may add a __pycache__
+                cache[cache_key(validate_python, payload(one))] = {
+                    "version": versions.get("version"), "nixl": versions.get("nixl"), "at": now,
+                    "instance": one["instance"]}
             write_cache(cache_path, cache)
+            reported["flags_validated_with"] = sorted(one["instance"] for one in accepted)
     reported["flags_validated"] = validated
     reported["entry_point_checked"] = validated and own_venv
     if versions.get("version"):

@@ -80,6 +80,16 @@ options:
       - Only accepted argvs are recorded; a rejection always runs the parser. Not written in check mode.
       - Unset (the default) means no cache.
     type: path
+  validate_with:
+    description:
+      - The host's other instances (entries like O(instance), e.g. the whole loop of the role). When this
+        instance's argv has to be parsed (not in O(validate_cache)), those whose argv the cache does not hold yet are
+        parsed by the same process, which imports vLLM once, and the accepted ones are recorded; their own task, next
+        in the loop, then takes the cache. A problem in one of them is reported by its own task, not this one.
+      - Only with O(validate_cache), and not in check mode (a verdict that cannot be kept is not worth the parse).
+    type: list
+    elements: dict
+    default: []
   user:
     description: The unprivileged user the instance runs as.
     type: str
@@ -257,6 +267,11 @@ flags_validation_cached:
   description: True when the flags were accepted earlier by the same interpreter and venv (O(validate_cache)).
   returned: always
   type: bool
+flags_validated_with:
+  description: The instances of O(validate_with) the same parser run accepted and recorded in O(validate_cache).
+  returned: when the parser ran with O(validate_cache) set, not in check mode
+  type: list
+  elements: str
 entry_point_checked:
   description: Whether the unit's entry point was checked in its own venv (O(validate_python) is O(python)).
   returned: always
@@ -378,6 +393,21 @@ def render(module, p, group, model_path, api_key_file):
         module.fail_json(msg=f"{where}{exc} (nothing was written)")
 
 
+def sibling_argvs(instances, recipe, model_path, name):
+    """{instance, pool, argv} of the other `instances` whose argv renders; one that does not is left to its own task
+    (which fails naming it)."""
+    items = []
+    for other in instances:
+        if not isinstance(other, dict) or other.get("name") in (None, name):
+            continue
+        try:
+            items.append({"instance": other["name"], "pool": other.get("pool"),
+                          "argv": build_argv(recipe, other, model_path)})
+        except (RecipeError, InputError):
+            continue
+    return items
+
+
 def write_api_key(module, path, text, *, uid, gid, result):
     """Write (or, text None, remove) the key file; True when it changed. The key never reaches a message."""
     try:
@@ -412,6 +442,7 @@ def main():
             validate_flags=dict(type="bool", default=True),
             validate_timeout=dict(type="int", default=300),
             validate_cache=dict(type="path"),
+            validate_with=dict(type="list", elements="dict", default=[]),
             user=dict(type="str", default="vllm"),
             group=dict(type="str"),
             unit_dir=dict(type="path", default="/etc/systemd/system"),
@@ -460,7 +491,7 @@ def main():
         checked, versions = check_instance_flags(
             module, {"instance": name, "pool": instance.get("pool"), "argv": argv}, command, python=p["python"],
             validate_python=p["validate_python"] or p["python"], timeout=p["validate_timeout"],
-            cache_path=p["validate_cache"])
+            cache_path=p["validate_cache"], siblings=sibling_argvs(p["validate_with"], p["recipe"], model_path, name))
         result.update(checked)
     else:
         module.warn(f"instance {name}: validate_flags=false, flags were NOT checked with vLLM's argument parser")

@@ -138,6 +138,48 @@ def test_validate_cache_skips_the_parser_until_the_argv_or_the_venv_changes(env,
     assert len(calls) == 3 and not res["flags_validation_cached"]
 
 
+def test_the_first_parse_of_a_host_checks_its_other_instances_in_the_same_process(env, local_inv, monkeypatch):
+    """validate_with: one vLLM import per host, not per instance. The first instance whose argv must be parsed takes
+    the others along; the accepted ones are cached, so their own task parses nothing. A sibling the parser refuses
+    is not cached, and its problem is not the first instance's: its own task fails on it."""
+    instances = local_inv["hosts"]["pd-prefill-0"]["pd_instances"]
+    assert len(instances) == 2, "inventory/local runs two prefill instances on pd-prefill-0"
+    cache = env["tmp"] / "flags-validated.json"
+    args = dict(env["args"], validate_cache=str(cache), validate_with=instances)
+    calls = []
+    res, failed = run_module(vllm_instance.main, args, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert not failed, res
+    assert [i["instance"] for i in calls[0]["instances"]] == ["prefill-0", "prefill-1"]
+    assert res["flags_validated_with"] == ["prefill-1"] and len(json.loads(cache.read_text())) == 2
+    second = dict(args, instance=instances[1])
+    res, failed = run_module(vllm_instance.main, second, run_command=ok_parser(calls), monkeypatch=monkeypatch)
+    assert not failed and res["flags_validation_cached"] and len(calls) == 1, res
+    # a sibling the parser refuses: the first instance passes alone, nothing is cached for the sibling
+    cache.unlink()
+    bad_sibling = dict(instances[1], extra_flags={"max-num-seqz": 4})
+
+    def refuses_the_sibling(self, cmd, data=None, **kw):
+        req = json.loads(data)
+        results = [{"instance": i["instance"], "problems": [f"{pd_vllm_argcheck.where(i)}: rejects --max-num-seqz"]
+                    if "--max-num-seqz" in i["argv"] else []} for i in req["instances"]]
+        return 0, harness_output({"ok": True, "version": "0.32.0", "nixl": "0.7.1", "results": results}), ""
+
+    args = dict(args, validate_with=[instances[0], bad_sibling])
+    res, failed = run_module(vllm_instance.main, args, run_command=refuses_the_sibling, monkeypatch=monkeypatch)
+    assert not failed and res["flags_validated_with"] == [] and len(json.loads(cache.read_text())) == 1, res
+    res, failed = run_module(vllm_instance.main, dict(args, instance=bad_sibling), run_command=refuses_the_sibling,
+                             monkeypatch=monkeypatch)
+    assert failed and "--max-num-seqz" in res["msg"] and "prefill-1" in res["msg"], res
+    # no cache, or check mode: the parser sees this instance alone (a verdict that is not kept is not worth it)
+    calls.clear()
+    run_module(vllm_instance.main, dict(env["args"], validate_with=instances), run_command=ok_parser(calls),
+               monkeypatch=monkeypatch)
+    run_module(vllm_instance.main, dict(env["args"], validate_cache=str(env["tmp"] / "c2.json"),
+                                        validate_with=instances), check_mode=True, run_command=ok_parser(calls),
+               monkeypatch=monkeypatch)
+    assert [len(c["instances"]) for c in calls] == [1, 1]
+
+
 def test_validate_cache_never_records_a_rejection_or_a_check_mode_run(env, monkeypatch):
     cache = env["tmp"] / "flags-validated.json"
     bad = dict(env["args"], validate_cache=str(cache),
